@@ -1,0 +1,232 @@
+"""Gated delta rule: plain-PyTorch references and the FLA kernels behind one signature.
+
+Recurrence per value head h (key head h // (HV // H)), with S of shape [K, V]:
+
+    S_t = exp(g_t) * (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,      o_t = S_t^T (scale * q_t)
+
+Packed layout, no batch dim: q/k ``[T, H, K]``, v ``[T, HV, V]``, g/beta ``[T, HV]``; ``cu_seqlens``
+``[N+1]`` splits T into N sequences. States are ``[N, HV, K, V]`` (key-first, FLA's default) in fp32.
+q and k arrive already L2-normalised: normalisation belongs to the layer, so every backend sees the
+same inputs.
+
+Two torch implementations:
+- ``recurrent_gated_delta_rule_torch``: token by token, exactly the formula above. The reference.
+- ``chunk_gated_delta_rule_torch``: the chunkwise (WY) form, differentiable through plain autograd;
+  many times faster on CPU for prefill/training and used by default there.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+GDNMode = Literal["chunk", "recurrent"]
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [T, H, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    T, H, K = q.shape
+    if v.dim() != 3 or v.shape[0] != T:
+        raise ValueError(f"v must be [T, HV, V] with T={T}; got {tuple(v.shape)}")
+    HV, V = v.shape[1], v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
+    if g.shape != (T, HV) or beta.shape != (T, HV):
+        raise ValueError(f"g and beta must be [T, HV]=[{T}, {HV}]; got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if cu_seqlens.dim() != 1 or int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seqlens must be 1-D and end at T={T}; got {cu_seqlens.tolist()}")
+    N = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (N, HV, K, V):
+        raise ValueError(f"initial_state must be [N, HV, K, V]={[N, HV, K, V]}; got {tuple(initial_state.shape)}")
+    return T, H, K, HV, V
+
+
+def _expand_heads(x_THK: torch.Tensor, hv: int) -> torch.Tensor:
+    """Grouped value heads: value head h reads key head h // (HV // H)."""
+    return x_THK.repeat_interleave(hv // x_THK.shape[1], dim=1)
+
+
+def recurrent_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    T, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
+    N = cu_seqlens.numel() - 1
+    q_f = _expand_heads(q.float(), HV) * scale
+    k_f = _expand_heads(k.float(), HV)
+    v_f, g_f, b_f = v.float(), g.float(), beta.float()
+    o = torch.empty(T, HV, V, dtype=torch.float32, device=v.device)
+    finals = []
+    bounds = cu_seqlens.tolist()
+    for n in range(N):
+        S = (
+            initial_state[n].float().clone()
+            if initial_state is not None
+            else torch.zeros(HV, K, V, dtype=torch.float32, device=v.device)
+        )
+        for t in range(bounds[n], bounds[n + 1]):
+            S = S * g_f[t].exp()[:, None, None]
+            k_t = k_f[t]
+            kv_mem = (S * k_t[:, :, None]).sum(dim=1)  # [HV, V] = k_t^T S
+            delta = (v_f[t] - kv_mem) * b_f[t][:, None]
+            S = S + k_t[:, :, None] * delta[:, None, :]
+            o[t] = (S * q_f[t][:, :, None]).sum(dim=1)
+        finals.append(S)
+    final = torch.stack(finals) if finals else torch.zeros(0, HV, K, V, device=v.device)
+    return o.to(v.dtype), final
+
+
+def _pad_sequences(x: torch.Tensor, bounds: list[int], length: int) -> torch.Tensor:
+    """[T, ...] packed -> [N, length, ...], zero padded at the end of each sequence."""
+    parts = [F.pad(x[s:e], (0, 0) * (x.dim() - 1) + (0, length - (e - s))) for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.stack(parts)
+
+
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise form. Within a chunk with local cumulative gate c_t = sum_{s<=t} g_s and entry state S0:
+
+        u_t = beta_t (v_t - e^{c_t} k_t^T S0 - sum_{j<t} e^{c_t - c_j} (k_t . k_j) u_j)
+        o_t = e^{c_t} S0^T q_t + sum_{j<=t} e^{c_t - c_j} (q_t . k_j) u_j
+        S_C = e^{c_C} S0 + sum_j e^{c_C - c_j} k_j u_j^T
+
+    The u-system is unit lower triangular and is solved with ``solve_triangular`` (differentiable).
+    Sequences are zero padded to whole chunks: k=v=beta=g=0 leaves the state untouched, so final
+    states stay exact.
+    """
+    T, H, K, HV, V = _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
+    N = cu_seqlens.numel() - 1
+    bounds = cu_seqlens.tolist()
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    C = chunk_size
+    L = max(1, -(-max(lengths, default=1) // C)) * C
+    n_chunks = L // C
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:  # [T, HV, ...] -> [N, HV, n, C, ...]
+        xp = _pad_sequences(x, bounds, L)  # [N, L, HV, ...]
+        xp = xp.movedim(2, 1)  # [N, HV, L, ...]
+        return xp.reshape(xp.shape[0], HV, n_chunks, C, *xp.shape[3:])
+
+    q_c = to_chunks(_expand_heads(q.float(), HV) * scale)
+    k_c = to_chunks(_expand_heads(k.float(), HV))
+    v_c = to_chunks(v.float())
+    g_c = to_chunks(g.float()).cumsum(-1)  # [N, HV, n, C]
+    b_c = to_chunks(beta.float())
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    diff = g_c[..., :, None] - g_c[..., None, :]
+    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # e^{c_t - c_j}, j <= t
+
+    kk = k_c @ k_c.transpose(-1, -2)
+    lower = torch.where(strict, b_c[..., :, None] * kk * decay, torch.zeros_like(kk))
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    A = eye + lower
+    rhs = torch.cat([b_c[..., None] * v_c, (b_c * g_c.exp())[..., None] * k_c], dim=-1)
+    sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    u_free, w = sol[..., :V], sol[..., V:]  # u = u_free - w @ S0
+    qk = torch.where(causal, (q_c @ k_c.transpose(-1, -2)) * decay, torch.zeros_like(kk))
+
+    S = (
+        initial_state.float()
+        if initial_state is not None
+        else torch.zeros(N, HV, K, V, dtype=torch.float32, device=q.device)
+    )
+    outs = []
+    for i in range(n_chunks):
+        u = u_free[:, :, i] - w[:, :, i] @ S
+        c = g_c[:, :, i]
+        o_i = (q_c[:, :, i] * c.exp()[..., None]) @ S + qk[:, :, i] @ u
+        outs.append(o_i)
+        c_last = c[..., -1:]
+        S = S * c_last.exp()[..., None] + (k_c[:, :, i] * (c_last - c).exp()[..., None]).transpose(-1, -2) @ u
+    o_pad = torch.stack(outs, dim=2).reshape(N, HV, L, V).movedim(1, 2)  # [N, L, HV, V]
+    o = torch.cat([o_pad[n, : lengths[n]] for n in range(N)], dim=0)
+    return o.to(v.dtype), S
+
+
+def _fla_gated_delta_rule(
+    mode: GDNMode,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    # FLA wants a leading batch dim of 1 for varlen, and int32/int64 cu_seqlens on the device.
+    args = dict(
+        q=q.to(v.dtype).unsqueeze(0),
+        k=k.to(v.dtype).unsqueeze(0),
+        v=v.unsqueeze(0),
+        g=g.float().unsqueeze(0),
+        beta=beta.unsqueeze(0),
+        scale=scale,
+        initial_state=None if initial_state is None else initial_state.float(),
+        output_final_state=True,
+        cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.int32),
+    )
+    # keyword arguments only: fused_recurrent's fifth positional slot is `gk`, not `beta`.
+    fn = chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule
+    o, final = fn(**args)
+    return o.squeeze(0), final
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    mode: GDNMode = "chunk",
+    backend: Literal["auto", "torch", "fla"] = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: FLA's Triton kernels on CUDA when installed, the torch implementations otherwise."""
+    if backend == "auto":
+        backend = "fla" if q.is_cuda and fla_available() else "torch"
+    if backend == "fla":
+        _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
+        return _fla_gated_delta_rule(mode, q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    fn = chunk_gated_delta_rule_torch if mode == "chunk" else recurrent_gated_delta_rule_torch
+    return fn(q, k, v, g, beta, cu_seqlens, scale, initial_state)

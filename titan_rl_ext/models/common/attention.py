@@ -1,0 +1,152 @@
+"""Full (softmax) attention layer of Qwen3 / Qwen3.5, with its kernel in an explicit slot.
+
+The layer owns the projections, q/k norms, rotary and the optional output gate; ``self.kernel``
+turns rotated q/k/v into per-head outputs. The trainer's kernel attends causally within each packed
+sequence; an inference engine installs its own kernel (e.g. vLLM's paged attention) without touching
+this layer's math. A kernel receives the layer's ``KVState`` (or None) and returns the new one, so an
+engine that keeps its own cache simply passes None through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.common.norms import RMSNorm
+from titan_rl_ext.models.common.rope import apply_rotary
+
+
+@dataclass(frozen=True)
+class KVState:
+    """Per-sequence key/value history of one layer: ``k[n]``/``v[n]`` are ``[S_n, n_kv_heads, head_dim]``."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def empty(cls, num_seqs: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> KVState:
+        z = torch.zeros(0, n_kv_heads, head_dim, dtype=dtype, device=device)
+        return cls(tuple(z for _ in range(num_seqs)), tuple(z for _ in range(num_seqs)))
+
+    def cached_lengths(self) -> list[int]:
+        return [t.shape[0] for t in self.k]
+
+
+class AttentionKernel(Protocol):
+    def __call__(
+        self,
+        q_TNH: torch.Tensor,
+        k_TKH: torch.Tensor,
+        v_TKH: torch.Tensor,
+        batch: SeqBatch,
+        state: KVState | None,
+    ) -> tuple[torch.Tensor, KVState | None]: ...
+
+
+class TorchAttentionKernel(nn.Module):
+    """Causal attention per packed sequence via SDPA, attending to a cached prefix when given one."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(
+        self,
+        q_TNH: torch.Tensor,
+        k_TKH: torch.Tensor,
+        v_TKH: torch.Tensor,
+        batch: SeqBatch,
+        state: KVState | None,
+    ) -> tuple[torch.Tensor, KVState | None]:
+        bounds = batch.cu_seqlens.tolist()
+        if state is not None and len(state.k) != batch.num_seqs:
+            raise ValueError(f"KV state holds {len(state.k)} sequences, batch has {batch.num_seqs}")
+        outs, new_k, new_v = [], [], []
+        for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            q, k, v = q_TNH[s:e], k_TKH[s:e], v_TKH[s:e]
+            prefix = 0
+            if state is not None:
+                prefix = state.k[n].shape[0]
+                k = torch.cat([state.k[n], k], dim=0)
+                v = torch.cat([state.v[n], v], dim=0)
+                new_k.append(k)
+                new_v.append(v)
+            if e == s:
+                continue
+            if prefix:
+                # query i sits at absolute position prefix + i and may see keys 0..prefix+i
+                mask = torch.arange(k.shape[0], device=q.device)[None, :] <= (
+                    prefix + torch.arange(e - s, device=q.device)[:, None]
+                )
+                o = F.scaled_dot_product_attention(
+                    q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                    attn_mask=mask, scale=self.scale, enable_gqa=True,
+                )
+            else:
+                o = F.scaled_dot_product_attention(
+                    q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                    is_causal=True, scale=self.scale, enable_gqa=True,
+                )
+            outs.append(o.transpose(0, 1))
+        o_TNH = torch.cat(outs, dim=0) if outs else q_TNH.new_zeros(0, *q_TNH.shape[1:-1], v_TKH.shape[-1])
+        return o_TNH, (KVState(tuple(new_k), tuple(new_v)) if state is not None else None)
+
+
+class Attention(nn.Module):
+    """GQA attention. Qwen3.5 (``output_gate=True``): ``wq`` yields per head ``[q; gate]`` and the
+    output is multiplied by ``sigmoid(gate)`` before ``wo``; q/k norms are zero-centred there."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        norm_eps: float,
+        *,
+        output_gate: bool,
+        zero_centered_norm: bool,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.output_gate = output_gate
+        self.wq = nn.Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm)
+        self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm)
+        self.kernel: nn.Module = TorchAttentionKernel(scale=head_dim**-0.5)
+
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        batch: SeqBatch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        state: KVState | None = None,
+    ) -> tuple[torch.Tensor, KVState | None]:
+        T = x_TD.shape[0]
+        q = self.wq(x_TD)
+        if self.output_gate:
+            q_gate = q.view(T, self.n_heads, 2 * self.head_dim)
+            q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+            gate_TF = gate.reshape(T, -1)
+        q_TNH = self.q_norm(q.reshape(T, self.n_heads, self.head_dim))
+        k_TKH = self.k_norm(self.wk(x_TD).view(T, self.n_kv_heads, self.head_dim))
+        v_TKH = self.wv(x_TD).view(T, self.n_kv_heads, self.head_dim)
+        cos, sin = rope
+        q_TNH = apply_rotary(q_TNH, cos, sin)
+        k_TKH = apply_rotary(k_TKH, cos, sin)
+        o_TNH, state = self.kernel(q_TNH, k_TKH, v_TKH, batch, state)
+        o_TF = o_TNH.reshape(T, self.n_heads * self.head_dim)
+        if self.output_gate:
+            o_TF = o_TF * torch.sigmoid(gate_TF)
+        return self.wo(o_TF), state

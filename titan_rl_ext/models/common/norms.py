@@ -1,0 +1,50 @@
+"""RMSNorm variants of the Qwen family. Statistics always in fp32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """``zero_centered=True`` (Qwen3.5): ``(x_hat * (1 + w)).to(dtype)``, weight initialised to 0.
+    ``zero_centered=False`` (Qwen3): ``w * x_hat.to(dtype)``, weight initialised to 1.
+    The two casting orders differ in low precision; each mirrors its HF reference exactly."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x_hat * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * x_hat.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: plain (not zero-centred) weight, then a SiLU gate; ``w * x_hat.to(dtype) * silu(z)``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * x_hat.to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)

@@ -1,0 +1,157 @@
+"""Gated DeltaNet layer of Qwen3.5 (``linear_attention`` layers).
+
+Math lives here; the two sequence kernels sit in slots (``conv_kernel``, ``rule_kernel``) so the
+trainer (packed sequences, no state) and an inference engine (conv/recurrent state carried across
+steps) run this same code. State in and out is a ``GDNState``: the engine decides where it lives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_rl_ext.kernels.conv import causal_conv1d_torch
+from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.common.norms import GatedRMSNorm
+
+
+@dataclass
+class GDNConfig:
+    n_k_heads: int
+    n_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.n_v_heads, self.k_head_dim, self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class GDNState:
+    """``conv`` ``[N, W-1, conv_dim]`` (activation dtype), ``ssm`` ``[N, HV, K, V]`` (always fp32)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_seqs: int, cfg: GDNConfig, dtype: torch.dtype, device: torch.device) -> GDNState:
+        return cls(
+            torch.zeros(num_seqs, *cfg.conv_state_shape(), dtype=dtype, device=device),
+            torch.zeros(num_seqs, *cfg.ssm_state_shape(), dtype=torch.float32, device=device),
+        )
+
+
+class CausalConvKernel(nn.Module):
+    def forward(
+        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv1d_torch(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu")
+
+
+class GatedDeltaRuleKernel(nn.Module):
+    """``mode``: ``chunk`` (fast prefill/training) or ``recurrent`` (token by token, the reference)."""
+
+    def __init__(self, mode: GDNMode = "chunk", backend: Literal["auto", "torch", "fla"] = "auto") -> None:
+        super().__init__()
+        self.mode, self.backend = mode, backend
+
+    def forward(
+        self,
+        q_THK: torch.Tensor,
+        k_THK: torch.Tensor,
+        v_THV: torch.Tensor,
+        g_TH: torch.Tensor,
+        beta_TH: torch.Tensor,
+        batch: SeqBatch,
+        scale: float,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gated_delta_rule(
+            q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale,
+            initial_state=state, mode=self.mode, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, backend={self.backend}"
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, dim: int, cfg: GDNConfig, norm_eps: float, mode: GDNMode = "chunk") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.in_proj_qkv = nn.Linear(dim, cfg.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, cfg.n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, cfg.n_v_heads, bias=False)
+        # depthwise conv weight in nn.Conv1d's layout [C, 1, W] (the checkpoint's layout)
+        self.conv_weight = nn.Parameter(torch.empty(cfg.conv_dim, 1, cfg.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(cfg.n_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.n_v_heads, dtype=torch.float32))
+        self.norm = GatedRMSNorm(cfg.v_head_dim, norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, dim, bias=False)
+        self.conv_kernel: nn.Module = CausalConvKernel()
+        self.rule_kernel: nn.Module = GatedDeltaRuleKernel(mode)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.conv_weight, a=math.sqrt(5))
+        nn.init.ones_(self.dt_bias)
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(1, 16).log())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # A_log stays fp32 whatever the model dtype: exp(A_log) in bf16 would change every decay rate.
+        a_log = self.A_log.data
+        out = super()._apply(fn, recurse)
+        if self.A_log.dtype != torch.float32:
+            self.A_log.data = a_log.to(device=self.A_log.device, dtype=torch.float32)
+        return out
+
+    def forward(
+        self, x_TD: torch.Tensor, batch: SeqBatch, state: GDNState | None = None
+    ) -> tuple[torch.Tensor, GDNState | None]:
+        cfg = self.cfg
+        T = x_TD.shape[0]
+        qkv_TC, conv_state = self.conv_kernel(
+            self.in_proj_qkv(x_TD), self.conv_weight.squeeze(1), batch, None if state is None else state.conv
+        )
+        q, k, v = torch.split(qkv_TC, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q_THK = l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
+        k_THK = l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
+        v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
+        beta_TH = torch.sigmoid(self.in_proj_b(x_TD))
+        g_TH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)
+        o_THV, ssm_state = self.rule_kernel(
+            q_THK, k_THK, v_THV, g_TH, beta_TH, batch,
+            cfg.k_head_dim**-0.5, None if state is None else state.ssm,
+        )
+        z_THV = self.in_proj_z(x_TD).view(T, cfg.n_v_heads, cfg.v_head_dim)
+        o_TF = self.norm(o_THV.to(x_TD.dtype), z_THV).reshape(T, cfg.value_dim)
+        new_state = None if state is None else GDNState(conv_state, ssm_state)
+        return self.out_proj(o_TF), new_state

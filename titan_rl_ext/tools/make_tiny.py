@@ -1,0 +1,128 @@
+"""Write a tiny random HF checkpoint (config.json + safetensors) and an offline-built tokenizer.
+
+    python -m titan_rl_ext.tools.make_tiny --arch {qwen3,qwen3_moe,qwen3_5,qwen3_5_moe} --out DIR [--seed S]
+        [--layout {vlm,text}] [--tie]
+
+Qwen3.5 checkpoints default to the multimodal layout (``*ForConditionalGeneration``, keys under
+``model.language_model.``) because that is how Qwen publishes them; ``--layout text`` writes the
+``*ForCausalLM`` layout. Every parameter, norms and GDN decay parameters included, gets random noise
+on top of HF's initialisation, so a checkpoint exercises every weight (an all-zero norm weight would
+hide a wrong ``1 + w`` convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_rl_ext.tools.tiny_tokenizer import save_tokenizer
+
+ARCHS = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+VOCAB = 512
+
+_QWEN3_5_TEXT: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_MOE: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+_VISION: dict[str, Any] = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+)
+
+
+def build_hf_model(arch: str, layout: str = "vlm", tie: bool = False, **text_overrides: Any) -> torch.nn.Module:
+    """A random HF model of the given tiny architecture (fp32). ``text_overrides`` change text-config fields."""
+    import transformers as tf
+
+    if arch in ("qwen3", "qwen3_moe"):
+        kw: dict[str, Any] = dict(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+            max_position_embeddings=4096, tie_word_embeddings=tie, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        )
+        if arch == "qwen3_moe":
+            kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        kw.update(text_overrides)
+        cls_cfg, cls_model = (
+            (tf.Qwen3Config, tf.Qwen3ForCausalLM) if arch == "qwen3" else (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)
+        )
+        return cls_model(cls_cfg(**kw))
+
+    moe = arch == "qwen3_5_moe"
+    text = dict(_QWEN3_5_TEXT)
+    if moe:
+        text.update(_MOE, shared_expert_intermediate_size=48)
+        text.pop("intermediate_size")
+    text.update(text_overrides)
+    if layout == "text":
+        text["tie_word_embeddings"] = tie
+        cfg = (tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig)(**text)
+        return (tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM)(cfg)
+    if layout != "vlm":
+        raise ValueError(f"layout must be 'vlm' or 'text', got {layout!r}")
+    vision = dict(_VISION, out_hidden_size=text["hidden_size"])
+    cfg = (tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config)(
+        text_config=text, vision_config=vision, tie_word_embeddings=tie,
+    )
+    return (tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration)(cfg)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def make_tiny(arch: str, out: str | Path, seed: int = 0, layout: str = "vlm", tie: bool = False, **text_overrides: Any) -> Path:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    torch.manual_seed(seed)
+    model = build_hf_model(arch, layout=layout, tie=tie, **text_overrides)
+    randomize_(model, seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    save_tokenizer(out, VOCAB)
+    gen = {"eos_token_id": 2, "pad_token_id": 0, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", required=True, choices=ARCHS)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", choices=("vlm", "text"), default="vlm", help="Qwen3.5 only")
+    ap.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    args = ap.parse_args(argv)
+    path = make_tiny(args.arch, args.out, args.seed, args.layout, args.tie)
+    print(f"wrote {args.arch} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,9 +38,19 @@ def causal_conv1d_torch(
             else x_TC.new_zeros(W - 1, C)
         )
         full = torch.cat([prefix, xs], dim=0)  # [W-1+L, C]
-        y = F.conv1d(full.t().unsqueeze(0), weight_CW.unsqueeze(1), bias_C, groups=C)  # [1, C, L]
-        ys.append(y[0].t())
         states.append(full[full.shape[0] - (W - 1) :])
+        if xs.shape[0] == 0:  # nothing new for this sequence in this step: state passes through
+            continue
+        L = xs.shape[0]
+        # Taps summed one by one in a fixed order: each output's bits depend only on its own W
+        # inputs, not on the sequence length or chunking (F.conv1d's vectorisation does depend on
+        # them), so a prefill split across steps reproduces the unsplit result exactly.
+        y = full[0:L] * weight_CW[:, 0]
+        for j in range(1, W):
+            y = y + full[j : j + L] * weight_CW[:, j]
+        if bias_C is not None:
+            y = y + bias_C
+        ys.append(y)
     y_TC = torch.cat(ys, dim=0) if ys else x_TC.new_zeros(0, C)
     if activation == "silu":
         y_TC = F.silu(y_TC)

@@ -1,0 +1,142 @@
+"""torchtitan's model protocol for the titan decoder. Imports torchtitan: load it only from
+``model_registry`` (the model code itself stays importable with torch alone)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torchtitan.protocols import BaseModel
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.common.decoder import FULL_ATTENTION, Decoder, DecoderConfig
+from titan_rl_ext.models.common.state_dict_adapter import HFStateDictAdapter
+
+
+def _default_arch() -> DecoderConfig:
+    raise ValueError("TitanDecoder.Config needs arch=<DecoderConfig>")
+
+
+def batch_from_positions(positions_BS: torch.Tensor) -> SeqBatch:
+    """torchtitan's text loader packs documents into rows and restarts ``positions`` at 0 for each
+    document; every (row, document) becomes its own sequence, so attention and GDN state never
+    cross a document boundary."""
+    B, S = positions_BS.shape
+    flat = positions_BS.reshape(-1)
+    starts = (flat == 0) | (torch.arange(B * S, device=flat.device) % S == 0)
+    idx = torch.nonzero(starts).flatten()
+    cu = torch.cat([idx, torch.tensor([B * S], device=flat.device)]).to(torch.int32)
+    lengths = cu[1:] - cu[:-1]
+    return SeqBatch(cu, flat, int(lengths.max()))
+
+
+class TitanDecoder(Decoder, BaseModel):
+    """The titan ``Decoder`` under torchtitan's ``BaseModel`` protocol (same parameter names)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        arch: DecoderConfig = field(default_factory=_default_arch)
+
+        def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
+            if config.parallelism.pipeline_parallel_degree > 1:
+                raise NotImplementedError("titan models do not implement pipeline parallelism yet")
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            a = self.arch
+            nparams = sum(p.numel() for p in model.parameters())
+            n_emb = a.vocab_size * a.dim
+            if a.moe is not None:  # count only the experts a token visits
+                per_expert = 3 * a.dim * a.moe.expert_ffn_dim
+                inactive = (a.moe.num_experts - a.moe.top_k) * per_expert
+                n_moe_layers = sum(a.moe.is_moe_layer(i) for i in range(a.n_layers))
+                nparams_active = nparams - inactive * n_moe_layers
+            else:
+                nparams_active = nparams
+            n_full = sum(t == FULL_ATTENTION for t in a.layer_types)
+            attn = 12 * n_full * a.n_heads * a.head_dim * seq_len
+            return nparams, 6 * (nparams_active - n_emb) + attn
+
+    def __init__(self, config: Config) -> None:
+        Decoder.__init__(self, config.arch)
+
+    def forward(  # type: ignore[override]
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        if positions is None:
+            return Decoder.forward(self, tokens)
+        B, S = tokens.shape
+        h, _ = self.hidden(tokens.reshape(-1), batch_from_positions(positions))
+        return self.logits(h).view(B, S, -1)
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None:
+        Decoder.init_weights(self, buffer_device=buffer_device)
+
+    def init_weights(self, **kwargs: Any) -> None:
+        self.init_states(buffer_device=kwargs.get("buffer_device"))
+
+    def verify_module_protocol(self) -> None:
+        # Layers are plain torch modules (so they run without torchtitan); nothing to verify.
+        pass
+
+
+def parallelize_titan(model: TitanDecoder, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
+    """Data parallelism only: FSDP2 on every block when there is more than one rank."""
+    if parallel_dims.world_size == 1:
+        return model
+    unsupported = [n for n in ("tp", "cp", "pp", "ep", "dp_replicate") if getattr(parallel_dims, f"{n}_enabled", False)]
+    if unsupported:
+        raise NotImplementedError(f"titan models support FSDP data parallelism only; got {unsupported}")
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = parallel_dims.get_mesh("fsdp")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def adapter_class(base: type[HFStateDictAdapter]) -> type[StateDictAdapter]:
+    """torchtitan instantiates adapters as ``cls(model_config, hf_assets_path)``."""
+
+    class _Adapter(StateDictAdapter):
+        def __init__(self, model_config: TitanDecoder.Config, hf_assets_path: str | None) -> None:
+            super().__init__(model_config, hf_assets_path)
+            layout = "text"
+            if hf_assets_path:
+                import json
+                from pathlib import Path
+
+                from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES, architecture_of
+
+                cfg_file = Path(hf_assets_path) / "config.json"
+                if cfg_file.exists():
+                    layout = SUPPORTED_ARCHITECTURES[architecture_of(json.loads(cfg_file.read_text()))][1]
+            self.inner = base(model_config.arch, layout=layout)  # type: ignore[arg-type]
+
+        def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            return self.inner.to_hf(state_dict)
+
+        def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+            return self.inner.from_hf(hf_state_dict)
+
+    _Adapter.__name__ = base.__name__ + "ForTorchtitan"
+    return _Adapter
+
+
+def make_model_spec(
+    name: str, flavor: str, arch: DecoderConfig, adapter: type[HFStateDictAdapter], **spec_kwargs: Callable[..., Any]
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        flavor=flavor,
+        model=TitanDecoder.Config(arch=arch),
+        parallelize_fn=parallelize_titan,
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=adapter_class(adapter),
+        **spec_kwargs,
+    )

@@ -1,0 +1,1 @@
+"""vLLM out-of-tree plugin: ``--model-impl titan`` serves the titan model definition."""

@@ -1,0 +1,105 @@
+"""A titan Gated DeltaNet layer as a vLLM Mamba-type layer: vLLM owns the state, titan does the math.
+
+vLLM allocates one (conv, ssm) state slot per request (per block in align-mode prefix caching) and
+hands each step the slot of every request plus whether it already holds state. The wrapper gathers
+those slots, zeroes the ones without prior state, runs the unchanged titan layer on the step's tokens
+(decodes first, then prefills -- any mix, prefills possibly split across steps) and scatters the new
+states back. Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet, GDNConfig, GDNState
+from vllm_titan_plugin import compat
+
+# attribute under which the wrapper holds the titan layer (parameter names gain this segment)
+INNER = "layer"
+
+
+def gdn_state_shapes(cfg: GDNConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    return cfg.conv_state_shape(), cfg.ssm_state_shape()
+
+
+def gdn_state_dtypes(vllm_config: Any) -> tuple[torch.dtype, torch.dtype]:
+    """conv state in the activation dtype, ssm state fp32 -- the titan layer's own contract -- unless
+    ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` ask for something else explicitly."""
+    cache = vllm_config.cache_config
+    model_dtype = compat.torch_dtype(vllm_config.model_config.dtype)
+    conv = model_dtype if cache.mamba_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_cache_dtype)
+    ssm = torch.float32 if cache.mamba_ssm_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_ssm_cache_dtype)
+    return conv, ssm
+
+
+class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
+    """Holds a titan ``GatedDeltaNet`` (as ``self.layer``) and its vLLM state slots.
+
+    Same call as the titan layer, ``forward(x_TD, batch, state) -> (y_TD, state)``, so it drops into a
+    titan ``TransformerBlock``; ``batch`` and ``state`` from the block are ignored in favour of vLLM's
+    per-layer metadata and caches.
+    """
+
+    def __init__(self, layer: GatedDeltaNet, *, prefix: str, state_dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        super().__init__()
+        setattr(self, INNER, layer)
+        self.prefix = prefix
+        self._state_dtypes = state_dtypes
+        self.kv_cache: Any = ()
+        compat.register_forward_layer(prefix, self)
+
+    # -- MambaBase ---------------------------------------------------------------------------------
+    @property
+    def mamba_type(self) -> Any:
+        # GDN metadata (query_start_loc, state indices, has_initial_state) is all this layer needs.
+        return compat.GDN_MAMBA_TYPE
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return gdn_state_shapes(self.layer.cfg)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self._state_dtypes
+
+    # -- compute -----------------------------------------------------------------------------------
+    def forward(self, x_TD: torch.Tensor, batch: SeqBatch, state: Any = None) -> tuple[torch.Tensor, Any]:
+        md = compat.layer_metadata(self.prefix)
+        if md is None:
+            # Profiling / warm-up run: no cache bound yet. Run the layer stateless so memory profiling
+            # sees its real activations.
+            y, _ = self.layer(x_TD, batch, None)
+            return y, state
+        if getattr(md, "spec_sequence_masks", None) is not None:
+            raise NotImplementedError("--model-impl titan does not support speculative decoding")
+
+        T = md.num_actual_tokens  # x_TD may carry padding after the real tokens
+        cu_seqlens = md.non_spec_query_start_loc
+        n_seqs = cu_seqlens.numel() - 1
+        slots = md.non_spec_state_indices_tensor[:n_seqs].long()
+        conv_cache, ssm_cache = compat.mamba_state_tensors(self)
+
+        conv0 = conv_cache.index_select(0, slots).to(x_TD.dtype)
+        ssm0 = ssm_cache.index_select(0, slots).float()
+        has_initial = md.has_initial_state  # None: every request continues (decode-only step)
+        if has_initial is not None:
+            # a recycled slot holds another request's (or uninitialised) state: where, not multiply
+            keep = has_initial[:n_seqs].to(torch.bool)
+            conv0 = torch.where(keep[:, None, None], conv0, torch.zeros_like(conv0))
+            ssm0 = torch.where(keep[:, None, None, None], ssm0, torch.zeros_like(ssm0))
+
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq = SeqBatch(
+            cu_seqlens=cu_seqlens.to(torch.int32),
+            positions=batch.positions[:T],
+            max_seqlen=int(lengths.max()) if n_seqs else 0,
+        )
+        y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv0, ssm0))
+        conv_cache.index_copy_(0, slots, new.conv.to(conv_cache.dtype))
+        ssm_cache.index_copy_(0, slots, new.ssm.to(ssm_cache.dtype))
+
+        if T < x_TD.shape[0]:
+            y_TD = torch.cat([y_TD, y_TD.new_zeros(x_TD.shape[0] - T, y_TD.shape[1])])
+        return y_TD, state

@@ -1,8 +1,93 @@
-"""Entry point of the ``vllm.general_plugins`` group; runs once in every vLLM process."""
+"""Entry point of the ``vllm.general_plugins`` group; runs once in every vLLM process.
+
+``--model-impl titan`` is not a value vLLM knows: it accepts any string and, left alone, silently
+serves its native class. So the plugin intercepts class resolution (``inspect_model_cls`` /
+``resolve_model_cls`` of vLLM's model registry): with ``model_impl == "titan"`` the supported
+architectures resolve to the titan model classes and every other architecture fails with an error
+naming the supported ones. The original architecture name is what vLLM keeps seeing, so its
+per-architecture config hooks (e.g. Qwen3.5's ``mamba_ssm_dtype`` -> ``mamba_ssm_cache_dtype``) still
+apply. Any other ``model_impl`` goes straight to vLLM's own resolution, unchanged.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+from typing import Any, Callable
+
+logger = logging.getLogger("vllm.titan_plugin")
+
+TITAN_MODEL_IMPL = "titan"
+_MARK = "__titan_routing__"
+
+
+def supported_architectures() -> tuple[str, ...]:
+    from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES
+
+    return tuple(SUPPORTED_ARCHITECTURES)
+
+
+def titan_model_class(architectures: str | list[str]) -> tuple[type, str]:
+    """(titan vLLM model class, the checkpoint's architecture name); raises for anything unsupported."""
+    from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES
+
+    archs = [architectures] if isinstance(architectures, str) else list(architectures)
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"--model-impl {TITAN_MODEL_IMPL} does not support architecture(s) {archs or '(none given)'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    arch = archs[0]
+    from vllm_titan_plugin.model import TitanForCausalLM, TitanHybridForCausalLM
+
+    family, _ = SUPPORTED_ARCHITECTURES[arch]
+    return (TitanHybridForCausalLM if family == "qwen3_5" else TitanForCausalLM), arch
+
+
+def _wants_titan(model_config: Any) -> bool:
+    return getattr(model_config, "model_impl", None) == TITAN_MODEL_IMPL
+
+
+def _prepare_config(model_config: Any) -> None:
+    # The titan layers compute sequence bounds on the host (data-dependent shapes), which CUDA graph
+    # capture cannot record: run eager. vLLM reads this flag after class resolution.
+    if not getattr(model_config, "enforce_eager", True):
+        logger.info("--model-impl titan: enabling enforce_eager (the titan layers run without CUDA graphs)")
+        model_config.enforce_eager = True
+
+
+def _route_inspect(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def inspect_model_cls(self: Any, architectures: str | list[str], model_config: Any) -> Any:
+        if not _wants_titan(model_config):
+            return orig(self, architectures, model_config)
+        from vllm_titan_plugin import compat
+
+        cls, arch = titan_model_class(architectures)
+        _prepare_config(model_config)
+        return compat.model_info(cls), arch
+
+    setattr(inspect_model_cls, _MARK, True)
+    return inspect_model_cls
+
+
+def _route_resolve(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def resolve_model_cls(self: Any, architectures: str | list[str], model_config: Any) -> Any:
+        if not _wants_titan(model_config):
+            return orig(self, architectures, model_config)
+        return titan_model_class(architectures)
+
+    setattr(resolve_model_cls, _MARK, True)
+    return resolve_model_cls
+
 
 def register() -> None:
-    """Idempotent. Model routing for ``--model-impl titan`` is added by the plugin issue."""
-    return None
+    """Idempotent: patches vLLM's registry class once per process."""
+    from vllm_titan_plugin.compat import ModelRegistryClass as R
+
+    if getattr(R.resolve_model_cls, _MARK, False):
+        return
+    R.inspect_model_cls = _route_inspect(R.inspect_model_cls)  # type: ignore[method-assign]
+    R.resolve_model_cls = _route_resolve(R.resolve_model_cls)  # type: ignore[method-assign]
+    logger.debug("titan plugin: --model-impl %s routes %s", TITAN_MODEL_IMPL, ", ".join(supported_architectures()))

@@ -98,8 +98,8 @@ def load_hf_model(
         model = cfg.build()
     model.to_empty(device=device)
     model.load_state_dict(sd, strict=True, assign=False)
-    model.rope.reset_parameters()
     model.to(dtype)
+    model.rope.reset_parameters()  # inv_freq stays fp32 whatever the model dtype (as in training and vLLM)
     return model, adapter
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_rl_ext.models.common import ops
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import RMSNorm
 from titan_rl_ext.models.common.rope import apply_rotary
@@ -118,10 +119,10 @@ class Attention(nn.Module):
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.output_gate = output_gate
-        self.wq = nn.Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=bias)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.wq = ops.Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.wk = ops.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = ops.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = ops.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm)
         self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm)
         self.kernel: nn.Module = TorchAttentionKernel(scale=head_dim**-0.5)
@@ -148,5 +149,5 @@ class Attention(nn.Module):
         o_TNH, state = self.kernel(q_TNH, k_TKH, v_TKH, batch, state)
         o_TF = o_TNH.reshape(T, self.n_heads * self.head_dim)
         if self.output_gate:
-            o_TF = o_TF * torch.sigmoid(gate_TF)
+            o_TF = o_TF * ops.sigmoid(gate_TF)
         return self.wo(o_TF), state

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_rl_ext.models.common import ops
 from titan_rl_ext.models.common.attention import Attention, KVState
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.mlp import FeedForward
@@ -118,7 +119,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList([TransformerBlock(i, cfg) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.zero_centered_norm)
         # Tied: no separate parameter, the head reads tok_embeddings.weight (one tensor to shard/sync).
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_embeddings else ops.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     # -- weights -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -160,8 +161,8 @@ class Decoder(nn.Module):
     def logits(self, h_TD: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         w = self.lm_head_weight()
         if fp32:
-            return F.linear(h_TD.float(), w.float())
-        return F.linear(h_TD, w)
+            return ops.linear(h_TD.float(), w.float())
+        return ops.linear(h_TD, w)
 
     def forward(self, tokens: torch.Tensor, batch: SeqBatch | None = None) -> torch.Tensor:
         """``tokens`` ``[B, S]`` -> logits ``[B, S, V]`` (B independent sequences), or packed ``[T]`` with

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from titan_rl_ext.models.common import ops
 
 
 class FeedForward(nn.Module):
@@ -10,9 +11,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = ops.Linear(dim, hidden_dim, bias=False)
+        self.w2 = ops.Linear(hidden_dim, dim, bias=False)
+        self.w3 = ops.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
+        return self.w2(ops.silu(self.w1(x_TD)) * self.w3(x_TD))

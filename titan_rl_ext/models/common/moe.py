@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_rl_ext.models.common import ops
 from titan_rl_ext.models.common.mlp import FeedForward
 
 
@@ -29,7 +30,7 @@ class MoEConfig:
 class TopKRouter(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = ops.Linear(dim, num_experts, bias=False)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +64,8 @@ class GroupedExperts(nn.Module):
         for e in torch.unique(top_i).tolist():
             tok, slot = torch.where(top_i == e)
             h = x_TD[tok]
-            h = F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e])
-            h = F.linear(h, self.w2[e]) * top_w[tok, slot, None]
+            h = ops.silu(ops.linear(h, self.w1[e])) * ops.linear(h, self.w3[e])
+            h = ops.linear(h, self.w2[e]) * top_w[tok, slot, None]
             out_TD.index_add_(0, tok, h.to(out_TD.dtype))
         return out_TD
 
@@ -75,11 +76,11 @@ class MoE(nn.Module):
         self.router = TopKRouter(dim, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
         self.experts = GroupedExperts(dim, cfg.expert_ffn_dim, cfg.num_experts)
         self.shared_expert = FeedForward(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
-        self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_ffn_dim else None
+        self.shared_gate = ops.Linear(dim, 1, bias=False) if cfg.shared_ffn_dim else None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         top_w, top_i = self.router(x_TD)
         out_TD = self.experts(x_TD, top_w, top_i)
         if self.shared_expert is not None:
-            out_TD = out_TD + torch.sigmoid(self.shared_gate(x_TD)) * self.shared_expert(x_TD)
+            out_TD = out_TD + ops.sigmoid(self.shared_gate(x_TD)) * self.shared_expert(x_TD)
         return out_TD

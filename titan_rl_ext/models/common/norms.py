@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from titan_rl_ext.models.common import ops
 
 
 class RMSNorm(nn.Module):
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x_hat = x32 * ops.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centered:
             return (x_hat * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x_hat.to(x.dtype)
@@ -45,6 +46,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x_hat = x32 * ops.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * x_hat.to(x.dtype)
-        return (y * F.silu(gate.float())).to(x.dtype)
+        return (y * ops.silu(gate.float())).to(x.dtype)

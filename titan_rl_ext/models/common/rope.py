@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from titan_rl_ext.models.common import ops
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, partial_rotary_factor: float = 1.0) -> None:
@@ -22,6 +24,13 @@ class RotaryEmbedding(nn.Module):
     def _inv_freq(self) -> torch.Tensor:
         return 1.0 / (self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # inv_freq stays fp32 under model.to(bf16): rounding it would shift every rotary angle.
+        out = super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        return out
+
     def reset_parameters(self) -> None:
         # buffers created on the meta device need recomputing once materialised
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
@@ -30,7 +39,7 @@ class RotaryEmbedding(nn.Module):
         """cos/sin ``[T, rotary_dim]``, computed in fp32 and cast to the activation dtype (as HF does)."""
         freqs = positions_T[:, None].float() * self.inv_freq.float()[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return ops.cos(emb).to(dtype), ops.sin(emb).to(dtype)
 
 
 def apply_rotary(x_TNH: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:

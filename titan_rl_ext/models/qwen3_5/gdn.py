@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from titan_rl_ext.kernels.conv import causal_conv1d_torch
 from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule
+from titan_rl_ext.models.common import ops
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
 
@@ -98,23 +99,23 @@ class GatedDeltaRuleKernel(nn.Module):
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * ops.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, dim: int, cfg: GDNConfig, norm_eps: float, mode: GDNMode = "chunk") -> None:
         super().__init__()
         self.cfg = cfg
-        self.in_proj_qkv = nn.Linear(dim, cfg.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(dim, cfg.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(dim, cfg.n_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(dim, cfg.n_v_heads, bias=False)
+        self.in_proj_qkv = ops.Linear(dim, cfg.conv_dim, bias=False)
+        self.in_proj_z = ops.Linear(dim, cfg.value_dim, bias=False)
+        self.in_proj_b = ops.Linear(dim, cfg.n_v_heads, bias=False)
+        self.in_proj_a = ops.Linear(dim, cfg.n_v_heads, bias=False)
         # depthwise conv weight in nn.Conv1d's layout [C, 1, W] (the checkpoint's layout)
         self.conv_weight = nn.Parameter(torch.empty(cfg.conv_dim, 1, cfg.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(cfg.n_v_heads))
         self.A_log = nn.Parameter(torch.zeros(cfg.n_v_heads, dtype=torch.float32))
         self.norm = GatedRMSNorm(cfg.v_head_dim, norm_eps)
-        self.out_proj = nn.Linear(cfg.value_dim, dim, bias=False)
+        self.out_proj = ops.Linear(cfg.value_dim, dim, bias=False)
         self.conv_kernel: nn.Module = CausalConvKernel()
         self.rule_kernel: nn.Module = GatedDeltaRuleKernel(mode)
         self.reset_parameters()
@@ -145,8 +146,8 @@ class GatedDeltaNet(nn.Module):
         q_THK = l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
         k_THK = l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
-        beta_TH = torch.sigmoid(self.in_proj_b(x_TD))
-        g_TH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)
+        beta_TH = ops.sigmoid(self.in_proj_b(x_TD))
+        g_TH = -ops.exp(self.A_log.float()) * ops.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)
         o_THV, ssm_state = self.rule_kernel(
             q_THK, k_THK, v_THV, g_TH, beta_TH, batch,
             cfg.k_head_dim**-0.5, None if state is None else state.ssm,

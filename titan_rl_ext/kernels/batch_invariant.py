@@ -1,0 +1,79 @@
+"""Batch-invariant (BI) primitives: each output row's bits depend only on that row's inputs.
+
+Why stock kernels are not: a GEMM library picks its blocking (and on GPUs split-K) from the shape,
+so a token's logits change with the number of tokens beside it; CPU elementwise kernels run a
+vector path on whole vectors and a scalar path on the tail, with different rounding, so an element's
+bits depend on where the tensor ends.
+
+CPU implementations here:
+- ``mm``: rows are processed in tiles of exactly ``ROW_TILE`` rows (the last one zero padded), so
+  every GEMM call has the same shape and every row sits in a full register block.
+- ``elementwise``: flattens, pads to a multiple of ``PAD`` elements so no element of interest falls
+  in a scalar tail, applies the op, strips the padding.
+- row reductions (RMSNorm statistics, log-softmax) reduce along the last dim of a contiguous
+  tensor; their order depends on that dim alone, so they are invariant as long as rows start on
+  vector boundaries, which ``elementwise``-style padding of the last dim guarantees.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 32
+PAD = 64
+
+_enabled = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def is_batch_invariant() -> bool:
+    return _enabled
+
+
+def mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with a per-row result independent of M (the number of rows)."""
+    if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(f"mm expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
+    M = a_MK.shape[0]
+    pad = (-M) % ROW_TILE
+    a = F.pad(a_MK, (0, 0, 0, pad)) if pad else a_MK
+    tiles = [a[i : i + ROW_TILE] @ b_KN for i in range(0, a.shape[0], ROW_TILE)]
+    out = torch.cat(tiles) if tiles else a_MK.new_zeros(0, b_KN.shape[1])
+    return out[:M]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over any leading dims, batch invariant."""
+    lead = x.shape[:-1]
+    y = mm(x.reshape(-1, x.shape[-1]), weight.t())
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, weight.shape[0])
+
+
+def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Apply an elementwise op so each element takes the vectorised path wherever the tensor ends."""
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % PAD
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    return fn(flat)[: x.numel()].reshape(x.shape)
+
+
+def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """fp32 log-softmax along the last dim, rows padded to a multiple of ``PAD`` with -inf."""
+    if dim not in (-1, logits.dim() - 1):
+        raise ValueError("batch-invariant log_softmax reduces over the last dim only")
+    x = logits.float()
+    V = x.shape[-1]
+    pad = (-V) % PAD
+    if pad:
+        x = F.pad(x, (0, pad), value=float("-inf"))
+    return torch.log_softmax(x.contiguous(), dim=-1)[..., :V]

@@ -1,0 +1,45 @@
+"""The handful of ops whose bits can depend on batch composition, behind the batch-invariance switch.
+
+Layers call these instead of the torch functions. With batch invariance off they are the stock torch
+ops; with it on (``titan_rl_ext.kernels.batch_invariant.set_batch_invariant(True)``) they route to
+the batch-invariant versions. Exact ops (add, mul, gather, topk, index_add in a fixed order) need
+no wrapper: IEEE rounding makes them independent of what else is in the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_rl_ext.kernels import batch_invariant as bi
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return bi.linear(x, weight, bias) if bi.is_batch_invariant() else F.linear(x, weight, bias)
+
+
+def _pointwise(fn):  # transcendental ops: vector and scalar-tail code paths round differently on CPU
+    def op(x: torch.Tensor) -> torch.Tensor:
+        if bi.is_batch_invariant() and not x.is_cuda:
+            return bi.elementwise(fn, x)
+        return fn(x)
+
+    op.__name__ = getattr(fn, "__name__", "op")
+    return op
+
+
+silu = _pointwise(F.silu)
+sigmoid = _pointwise(torch.sigmoid)
+softplus = _pointwise(F.softplus)
+rsqrt = _pointwise(torch.rsqrt)
+exp = _pointwise(torch.exp)
+cos = _pointwise(torch.cos)
+sin = _pointwise(torch.sin)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose matmul honours the batch-invariance switch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

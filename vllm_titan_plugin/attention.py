@@ -3,6 +3,11 @@
 The titan ``Attention`` layer keeps its projections, q/k norms, rotary and output gate; this module
 fills its ``kernel`` slot with vLLM's own ``Attention`` layer, so keys/values go to vLLM's paged KV
 cache and the attention backend of the platform runs (CPU_ATTN on CPU, FlashAttention/Triton on GPU).
+
+In batch-invariant mode the backend is bypassed: the kernel writes this step's keys/values into
+vLLM's paged cache at vLLM's slots, gathers each sequence's keys/values through its block table and
+runs the trainer's ``attention_bi`` (fixed query tiles and KV blocks, no split-KV). vLLM still owns
+the cache memory, the block tables and prefix caching.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from titan_rl_ext.kernels import batch_invariant as bi
+from titan_rl_ext.kernels.attention import attention_bi
 from titan_rl_ext.models.common.attention import KVState
 from titan_rl_ext.models.common.batch import SeqBatch
 from vllm_titan_plugin import compat
@@ -33,7 +40,8 @@ class VllmAttentionKernel(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, head_dim
+        self.n_heads, self.head_dim, self.scale = n_heads, head_dim, scale
+        self.layer_name = f"{prefix}.attn"
         # prefix must be this module's path in the vLLM model: it keys the KV cache and metadata
         self.attn = compat.Attention(
             num_heads=n_heads,
@@ -53,5 +61,33 @@ class VllmAttentionKernel(nn.Module):
         state: KVState | None,
     ) -> tuple[torch.Tensor, KVState | None]:
         T = q_TNH.shape[0]
+        if bi.is_batch_invariant():
+            md = compat.layer_metadata(self.layer_name)
+            if md is not None:
+                return self._forward_batch_invariant(q_TNH, k_TKH, v_TKH, md), state
         o_TF = self.attn(q_TNH.reshape(T, -1), k_TKH.reshape(T, -1), v_TKH.reshape(T, -1))
         return o_TF.view(T, self.n_heads, self.head_dim), state
+
+    def _forward_batch_invariant(
+        self, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, md: object
+    ) -> torch.Tensor:
+        k_cache, v_cache = compat.paged_kv_views(self.attn, self.head_dim)  # [NB, bs, K, D]
+        block_size = k_cache.shape[1]
+        n = md.num_actual_tokens
+        slots = md.slot_mapping[:n].long()
+        blk, off = slots // block_size, slots % block_size
+        k_cache[blk, off] = k_TKH[:n].to(k_cache.dtype)
+        v_cache[blk, off] = v_TKH[:n].to(v_cache.dtype)
+        o_TNH = torch.zeros_like(q_TNH)
+        qsl = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens.tolist()
+        for i, L in enumerate(seq_lens):
+            qs, qe = qsl[i], qsl[i + 1]
+            if qe == qs:
+                continue
+            n_blocks = -(-L // block_size)
+            ids = md.block_table[i, :n_blocks].long()
+            k_seq = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:L]
+            v_seq = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:L]
+            o_TNH[qs:qe] = attention_bi(q_TNH[qs:qe], k_seq.to(q_TNH.dtype), v_seq.to(q_TNH.dtype), L - (qe - qs), self.scale)
+        return o_TNH

@@ -42,6 +42,7 @@ __all__ = [
     "gdn_state_copy_funcs",
     "layer_metadata",
     "mamba_state_tensors",
+    "paged_kv_views",
     "model_info",
     "register_forward_layer",
     "torch_dtype",
@@ -80,6 +81,22 @@ def mamba_state_tensors(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Ten
     if isinstance(kv, (list, tuple)) and kv and isinstance(kv[0], (list, tuple)):
         kv = kv[get_forward_context().virtual_engine]
     return kv[0], kv[1]
+
+
+def paged_kv_views(attn_layer: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) views ``[num_blocks, block_size, n_kv_heads, head_dim]`` of an ``Attention`` layer's paged
+    cache, for the batch-invariant path that writes and reads the cache itself. Layouts differ per
+    backend: CPU_ATTN ``[NB, K, bs, 2*D]``; FlashAttention/Triton ``[2, NB, bs, K, D]``."""
+    kv = attn_layer.kv_cache
+    if isinstance(kv, (list, tuple)):
+        kv = kv[get_forward_context().virtual_engine]
+    if kv.dim() == 4 and kv.shape[-1] == 2 * head_dim:
+        return kv[..., :head_dim].transpose(1, 2), kv[..., head_dim:].transpose(1, 2)
+    if kv.dim() == 5 and kv.shape[0] == 2:
+        return kv[0], kv[1]
+    if kv.dim() == 5 and kv.shape[1] == 2:
+        return kv[:, 0], kv[:, 1]
+    raise NotImplementedError(f"unknown paged KV cache layout {tuple(kv.shape)} for batch-invariant attention")
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:

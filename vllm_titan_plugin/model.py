@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, Decoder
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError
@@ -114,8 +115,9 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
         return h_TD
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # The titan LM head itself (no vocab padding, no TP gather): logits are the titan logits.
-        return self.model.logits(hidden_states)
+        # The titan LM head itself (no vocab padding, no TP gather): logits are the titan logits. In
+        # batch-invariant mode in fp32, the same head the trainer's logprob function uses.
+        return self.model.logits(hidden_states, fp32=bi.is_batch_invariant())
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[torch.Tensor, int]:
         if mm_features:

@@ -17,6 +17,9 @@ CPU implementations here:
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -25,12 +28,17 @@ import torch.nn.functional as F
 ROW_TILE = 32
 PAD = 64
 
-_enabled = False
+# Engine workers (vLLM spawns them) read the switch from the environment; the trainer may also set it
+# in code. Every process of a run must agree.
+ENV_VAR = "TITAN_BATCH_INVARIANT"
+_enabled = os.environ.get(ENV_VAR, "0").lower() in ("1", "true", "yes")
 
 
 def set_batch_invariant(enabled: bool) -> None:
+    """Process-wide; also exported to the environment so child processes (engine workers) follow."""
     global _enabled
     _enabled = bool(enabled)
+    os.environ[ENV_VAR] = "1" if _enabled else "0"
 
 
 def is_batch_invariant() -> bool:
@@ -77,3 +85,14 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0, pad), value=float("-inf"))
     return torch.log_softmax(x.contiguous(), dim=-1)[..., :V]
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """``with batch_invariant(): ...`` -- the switch for a block, restored afterwards."""
+    before = _enabled
+    set_batch_invariant(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant(before)

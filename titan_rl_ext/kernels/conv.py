@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_rl_ext.kernels import ops
+
 
 def causal_conv1d_torch(
     x_TC: torch.Tensor,
@@ -53,7 +55,7 @@ def causal_conv1d_torch(
         ys.append(y)
     y_TC = torch.cat(ys, dim=0) if ys else x_TC.new_zeros(0, C)
     if activation == "silu":
-        y_TC = F.silu(y_TC)
+        y_TC = ops.silu(y_TC)
     elif activation is not None:
         raise ValueError(f"unsupported activation {activation!r}")
     final = torch.stack(states) if states else x_TC.new_zeros(0, W - 1, C)

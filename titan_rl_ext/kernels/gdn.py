@@ -230,3 +230,50 @@ def gated_delta_rule(
         return _fla_gated_delta_rule(mode, q, k, v, g, beta, cu_seqlens, scale, initial_state)
     fn = chunk_gated_delta_rule_torch if mode == "chunk" else recurrent_gated_delta_rule_torch
     return fn(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+
+
+class _RecurrentForwardChunkBackward(torch.autograd.Function):
+    """Forward with the recurrent rule (batch invariant: per-token ops of fixed shape), backward
+    through the chunked form (fast, same math). The gradient is the chunked form's gradient at the
+    same inputs; the forward value is the recurrent one -- the two agree to ~1e-7 in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, backend):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            o, final = gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale, initial_state, "recurrent", backend)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale, ctx.backend = scale, backend
+        return o, final
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):  # type: ignore[no-untyped-def]
+        q, k, v, g, beta, s0, cu = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in (q, k, v, g, beta, s0)]
+        with torch.enable_grad():
+            # FLA's chunk backward is used where it runs; the torch chunked form everywhere else
+            o, final = chunk_gated_delta_rule_torch(*inputs[:5], cu, ctx.scale, inputs[5])
+            outs, grads_in = [o], [d_o]
+            if d_final is not None:
+                outs.append(final)
+                grads_in.append(d_final)
+            wrt = [t for t in inputs if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(outs, wrt, grads_in, allow_unused=True)) if wrt else iter(())
+        result = [next(grads) if (t is not None and t.requires_grad) else None for t in inputs]
+        return (*result, None, None, None)
+
+
+def gated_delta_rule_bi(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    backend: Literal["auto", "torch", "fla"] = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch-invariant mode: recurrent kernel forward (trainer, prefill and decode alike), chunked backward."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
+        return _RecurrentForwardChunkBackward.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend)
+    return gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale, initial_state, "recurrent", backend)

@@ -23,6 +23,7 @@ from titan_rl_ext.tools.tiny_tokenizer import save_tokenizer
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 VOCAB = 512
+# head dims are 32: the smallest vLLM's CPU attention backend supports, so every tiny checkpoint serves
 
 _QWEN3_5_TEXT: dict[str, Any] = dict(
     vocab_size=VOCAB,
@@ -59,7 +60,7 @@ def build_hf_model(arch: str, layout: str = "vlm", tie: bool = False, **text_ove
     if arch in ("qwen3", "qwen3_moe"):
         kw: dict[str, Any] = dict(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
             max_position_embeddings=4096, tie_word_embeddings=tie, eos_token_id=2, pad_token_id=0,
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         )

@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_rl_ext.models.common import ops
+from titan_rl_ext.kernels import batch_invariant as bi
+from titan_rl_ext.kernels.attention import attention_bi
+from titan_rl_ext.kernels import ops
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import RMSNorm
 from titan_rl_ext.models.common.rope import apply_rotary
@@ -50,7 +52,8 @@ class AttentionKernel(Protocol):
 
 
 class TorchAttentionKernel(nn.Module):
-    """Causal attention per packed sequence via SDPA, attending to a cached prefix when given one."""
+    """Causal attention per packed sequence via SDPA, attending to a cached prefix when given one.
+    In batch-invariant mode: ``attention_bi`` (fixed query tiles and KV blocks, no split-KV)."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -78,6 +81,9 @@ class TorchAttentionKernel(nn.Module):
                 new_k.append(k)
                 new_v.append(v)
             if e == s:
+                continue
+            if bi.is_batch_invariant():
+                outs.append(attention_bi(q, k, v, prefix, self.scale))
                 continue
             if prefix:
                 # query i sits at absolute position prefix + i and may see keys 0..prefix+i

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_rl_ext.models.common import ops
+from titan_rl_ext.kernels import ops
 from titan_rl_ext.models.common.attention import Attention, KVState
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.mlp import FeedForward

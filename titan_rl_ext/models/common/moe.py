@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_rl_ext.models.common import ops
+from titan_rl_ext.kernels import ops
 from titan_rl_ext.models.common.mlp import FeedForward
 
 

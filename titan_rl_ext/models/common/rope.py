@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titan_rl_ext.models.common import ops
+from titan_rl_ext.kernels import ops
 
 
 class RotaryEmbedding(nn.Module):

@@ -16,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_rl_ext.kernels.conv import causal_conv1d_torch
-from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule
-from titan_rl_ext.models.common import ops
+from titan_rl_ext.kernels import batch_invariant as bi
+from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi
+from titan_rl_ext.kernels import ops
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
 
@@ -72,7 +73,8 @@ class CausalConvKernel(nn.Module):
 
 
 class GatedDeltaRuleKernel(nn.Module):
-    """``mode``: ``chunk`` (fast prefill/training) or ``recurrent`` (token by token, the reference)."""
+    """``mode``: ``chunk`` (fast prefill/training) or ``recurrent`` (token by token, the reference).
+    Batch-invariant mode overrides it: recurrent forward everywhere, chunked backward."""
 
     def __init__(self, mode: GDNMode = "chunk", backend: Literal["auto", "torch", "fla"] = "auto") -> None:
         super().__init__()
@@ -89,6 +91,10 @@ class GatedDeltaRuleKernel(nn.Module):
         scale: float,
         state: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if bi.is_batch_invariant():
+            return gated_delta_rule_bi(
+                q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, initial_state=state, backend=self.backend
+            )
         return gated_delta_rule(
             q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale,
             initial_state=state, mode=self.mode, backend=self.backend,

@@ -1,0 +1,72 @@
+"""Batch-invariant causal attention for one sequence: fixed query tiles and fixed KV blocks, no split-KV.
+
+A query's output must not depend on how many other queries share the call (prefill vs decode, how a
+prefill was chunked) or on how many keys exist beyond its causal horizon. So:
+- queries go in tiles of exactly ``Q_TILE`` rows and keys in blocks of exactly ``KV_BLOCK``: every
+  matmul has one shape;
+- two passes: the row max over all keys (max is exact in any order), then the KV blocks in ascending
+  order, each adding ``exp(s - max)`` sums and ``p @ v`` into running fp32 accumulators. Blocks past
+  a query's horizon are fully masked and add exact zeros, so a decode step that sees fewer blocks
+  gets the same bits as the prefill that saw more.
+The trainer (packed causal attention) and the engine (KV from its cache) both call this function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_rl_ext.kernels.batch_invariant import elementwise
+
+Q_TILE = 32
+KV_BLOCK = 64
+
+
+def attention_bi(
+    q_TNH: torch.Tensor, k_SKH: torch.Tensor, v_SKH: torch.Tensor, q_start: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of queries at absolute positions ``q_start .. q_start+T-1`` over keys
+    ``0 .. S-1`` of one sequence (``S >= q_start + T``). GQA: query head h uses KV head h // (N // K).
+    Returns ``[T, N, Hv]`` in the query dtype; math in fp32."""
+    T, N, H = q_TNH.shape
+    S, Kh, Hv = v_SKH.shape
+    if k_SKH.shape[:2] != (S, Kh) or N % Kh:
+        raise ValueError(f"bad shapes q {tuple(q_TNH.shape)} k {tuple(k_SKH.shape)} v {tuple(v_SKH.shape)}")
+    if S < q_start + T:
+        raise ValueError(f"{S} keys cannot cover queries up to position {q_start + T - 1}")
+    if T == 0:
+        return q_TNH.new_zeros(0, N, Hv)
+    rep = N // Kh
+    k = k_SKH.float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [N, S, H]
+    v = v_SKH.float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [N, S, Hv]
+    s_pad = (-S) % KV_BLOCK
+    if s_pad:
+        k = F.pad(k, (0, 0, 0, s_pad))
+        v = F.pad(v, (0, 0, 0, s_pad))
+    n_blocks = k.shape[1] // KV_BLOCK
+    q = q_TNH.float().transpose(0, 1) * scale  # [N, T, H]
+    t_pad = (-T) % Q_TILE
+    if t_pad:
+        q = F.pad(q, (0, 0, 0, t_pad))
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    outs = []
+    for t0 in range(0, q.shape[1], Q_TILE):
+        q_tile = q[:, t0 : t0 + Q_TILE]  # [N, Q_TILE, H]
+        # padded query rows reuse the last real position so no row is fully masked
+        pos = (q_start + torch.arange(t0, t0 + Q_TILE, device=q.device)).clamp(max=q_start + T - 1)
+        scores = []
+        for b in range(n_blocks):
+            kb = k[:, b * KV_BLOCK : (b + 1) * KV_BLOCK]
+            s = torch.bmm(q_tile, kb.transpose(1, 2))  # [N, Q_TILE, KV_BLOCK]
+            visible = key_pos[None, b * KV_BLOCK : (b + 1) * KV_BLOCK] <= pos[:, None]
+            scores.append(s.masked_fill(~visible, float("-inf")))
+        m = torch.stack([s.amax(dim=-1) for s in scores]).amax(dim=0)  # [N, Q_TILE]
+        l_sum = torch.zeros_like(m)
+        acc = q_tile.new_zeros(N, Q_TILE, Hv)
+        for b, s in enumerate(scores):
+            p = elementwise(torch.exp, s - m[..., None])
+            l_sum = l_sum + p.sum(dim=-1)
+            acc = acc + torch.bmm(p, v[:, b * KV_BLOCK : (b + 1) * KV_BLOCK])
+        outs.append(acc / l_sum[..., None])
+    o = torch.cat(outs, dim=1)[:, :T]  # [N, T, Hv]
+    return o.transpose(0, 1).to(q_TNH.dtype)

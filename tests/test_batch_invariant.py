@@ -43,3 +43,25 @@ def test_elementwise_and_log_softmax_invariant() -> None:
     torch.testing.assert_close(ls, torch.log_softmax(logits, -1), atol=1e-6, rtol=0)
     for i in range(9):
         assert torch.equal(bi.log_softmax(logits[i : i + 1])[0], ls[i])
+
+
+def test_bi_ops_against_float64_reference() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(77, 96, generator=g)
+    w = torch.randn(130, 96, generator=g)
+    b = torch.randn(130, generator=g)
+    ref = (x.double() @ w.double().t() + b.double())
+    # fp32 GEMM over K=96 with values ~N(0,1): rounding ~1e-6 relative to |y| ~ 10
+    torch.testing.assert_close(bi.linear(x, w, b).double(), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(bi.elementwise(torch.exp, x).double(), x.double().exp(), atol=0, rtol=1e-6)
+    torch.testing.assert_close(bi.log_softmax(x).double(), torch.log_softmax(x.double(), -1), atol=1e-5, rtol=0)
+
+
+def test_bi_rows_invariant_for_many_batch_sizes() -> None:
+    """Every row of an M-row product equals that row computed alone, for M = 1..200."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g)
+    x = torch.randn(200, 64, generator=g)
+    alone = torch.cat([bi.linear(x[i : i + 1], w) for i in range(200)])
+    for M in range(1, 201):
+        assert torch.equal(bi.linear(x[:M], w), alone[:M]), M

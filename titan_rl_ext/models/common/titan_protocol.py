@@ -40,10 +40,17 @@ class TitanDecoder(Decoder, BaseModel):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
         arch: DecoderConfig = field(default_factory=_default_arch)
+        # Batch-invariant kernels in this process (and, via the environment, in engines it starts):
+        # the trainer half of the switch; vLLM workers read TITAN_BATCH_INVARIANT=1.
+        batch_invariant: bool = False
 
         def update_from_config(self, *, config: Any, **kwargs: Any) -> None:
             if config.parallelism.pipeline_parallel_degree > 1:
                 raise NotImplementedError("titan models do not implement pipeline parallelism yet")
+            if self.batch_invariant:
+                from titan_rl_ext.kernels.batch_invariant import set_batch_invariant
+
+                set_batch_invariant(True)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             a = self.arch

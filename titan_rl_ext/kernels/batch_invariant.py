@@ -13,6 +13,11 @@ CPU implementations here:
 - row reductions (RMSNorm statistics, log-softmax) reduce along the last dim of a contiguous
   tensor; their order depends on that dim alone, so they are invariant as long as rows start on
   vector boundaries, which ``elementwise``-style padding of the last dim guarantees.
+
+CUDA (``batch_invariant_triton``, imported lazily): ``mm`` runs the project's own Triton GEMM (one
+fixed tile config, no split-K, persistent grid) and ``row_sum_sq`` / ``row_mean_sq`` a one-program-
+per-row Triton reduction. Without triton, CUDA tensors take the torch paths below (the tiled GEMM is
+invariant there too: every call has one shape, so the library picks one kernel; just slower).
 """
 
 from __future__ import annotations
@@ -45,8 +50,38 @@ def is_batch_invariant() -> bool:
     return _enabled
 
 
+_triton_mod = None  # None: not tried yet; False: unavailable
+
+
+def _triton():  # type: ignore[no-untyped-def]
+    """The Triton kernels module, or None where triton cannot be imported."""
+    global _triton_mod
+    if _triton_mod is None:
+        try:
+            from titan_rl_ext.kernels import batch_invariant_triton
+
+            _triton_mod = batch_invariant_triton
+        except Exception:  # no triton, or a triton that cannot initialise: torch paths (still BI)
+            _triton_mod = False
+    return _triton_mod or None
+
+
+def _use_triton(*ts: torch.Tensor) -> bool:
+    return all(t.is_cuda for t in ts) and _triton() is not None
+
+
 def mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with a per-row result independent of M (the number of rows)."""
+    """``a @ b`` with a per-row result independent of M (the number of rows).
+    CUDA: the Triton GEMM (``batch_invariant_triton.bi_mm``); CPU: ``mm_torch``."""
+    if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
+        raise ValueError(f"mm expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
+    if _use_triton(a_MK, b_KN):
+        return _triton().bi_mm(a_MK, b_KN)
+    return mm_torch(a_MK, b_KN)
+
+
+def mm_torch(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch BI GEMM (the reference): rows in zero-padded tiles of exactly ``ROW_TILE``."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"mm expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     M = a_MK.shape[0]
@@ -85,6 +120,22 @@ def log_softmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0, pad), value=float("-inf"))
     return torch.log_softmax(x.contiguous(), dim=-1)[..., :V]
+
+
+def row_sum_sq(x: torch.Tensor) -> torch.Tensor:
+    """``sum(x.float()**2, -1)`` in fp32, shape ``x.shape[:-1]`` (l2norm). Each row's bits depend
+    only on that row: CUDA runs the one-program-per-row Triton kernel; CPU the torch reduction."""
+    if _use_triton(x):
+        return _triton().row_sum_sq(x)
+    xf = x.float()
+    return (xf * xf).sum(dim=-1)
+
+
+def row_mean_sq(x: torch.Tensor) -> torch.Tensor:
+    """``mean(x.float()**2, -1)`` in fp32, shape ``x.shape[:-1]`` (RMSNorm statistics); see ``row_sum_sq``."""
+    if _use_triton(x):
+        return _triton().row_mean_sq(x)
+    return x.float().pow(2).mean(dim=-1)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,22 @@ def _pointwise(fn):  # transcendental ops: vector and scalar-tail code paths rou
     return op
 
 
+def mean_sq(x: torch.Tensor) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1, keepdim=True)`` (RMSNorm statistics). BI mode: one fixed-order
+    reduction per row (Triton on CUDA, where torch's reduction strategy depends on the row count)."""
+    if bi.is_batch_invariant():
+        return bi.row_mean_sq(x).unsqueeze(-1)
+    return x.float().pow(2).mean(-1, keepdim=True)
+
+
+def sum_sq(x: torch.Tensor) -> torch.Tensor:
+    """``(x * x).sum(-1, keepdim=True)`` in fp32 (l2norm); batch invariant like ``mean_sq``."""
+    if bi.is_batch_invariant():
+        return bi.row_sum_sq(x).unsqueeze(-1)
+    xf = x.float()
+    return (xf * xf).sum(dim=-1, keepdim=True)
+
+
 silu = _pointwise(F.silu)
 sigmoid = _pointwise(torch.sigmoid)
 softplus = _pointwise(F.softplus)

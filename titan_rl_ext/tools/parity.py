@@ -52,10 +52,12 @@ def engine_model(worker: object) -> torch.nn.Module:
     return worker.model_runner.get_model()  # type: ignore[attr-defined]
 
 
-def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int) -> object:
+def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, attention_backend: str | None = None) -> object:
     from vllm import LLM
 
+    extra = {"attention_backend": attention_backend} if attention_backend else {}
     return LLM(
+        **extra,
         model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=True,
         enable_prefix_caching=prefix_caching, max_num_batched_tokens=64, max_model_len=1024,
         gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
@@ -84,16 +86,17 @@ def recompute(model: torch.nn.Module, rollouts: list[Rollout]) -> list[torch.Ten
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.rl.logprobs import token_logprobs
 
-    seqs = [torch.tensor(r.prompt + r.completion) for r in rollouts]
+    device = next(model.parameters()).device
+    seqs = [torch.tensor(r.prompt + r.completion, device=device) for r in rollouts]
     order = list(range(len(seqs)))[::-1]  # a different batch composition than the engine saw
     out: list[torch.Tensor | None] = [None] * len(seqs)
     for part in (order[::2], order[1::2]):
         if not part:
             continue
         lens = [len(seqs[i]) for i in part]
-        lp = token_logprobs(model, torch.cat([seqs[i] for i in part]), SeqBatch.from_lengths(lens))
+        lp = token_logprobs(model, torch.cat([seqs[i] for i in part]), SeqBatch.from_lengths(lens, device=device))
         for i, chunk in zip(part, lp.split(lens)):
-            out[i] = chunk[len(rollouts[i].prompt) :]
+            out[i] = chunk[len(rollouts[i].prompt) :].cpu()
     return [t for t in out if t is not None]
 
 
@@ -126,8 +129,9 @@ def doctor(llm: object, model: torch.nn.Module, rollout: Rollout) -> str:
         llm.generate([TokensPrompt(prompt_token_ids=seq)], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # type: ignore[attr-defined]
     finally:
         llm.collective_rpc(remove)  # type: ignore[attr-defined]
+    device = next(model.parameters()).device
     with pd.capture(model, trainer_cap):
-        token_logprobs(model, torch.tensor(seq), SeqBatch.from_lengths([len(seq)]))
+        token_logprobs(model, torch.tensor(seq, device=device), SeqBatch.from_lengths([len(seq)], device=device))
     d = pd.first_divergence(trainer_cap, gen_cap, len(seq))
     if d is None:
         return f"doctor: replay of a {len(seq)}-token sequence is bit-identical in every captured module"
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-backend", default=None, help="vLLM attention backend (e.g. TRITON_ATTN on GPU)")
     ap.add_argument("--doctor", action="store_true", help="on any difference, locate the first diverging op")
     ap.add_argument("--perturb-generator-op", metavar="MODULE", help="debug: nudge MODULE's output in the engine only")
     args = ap.parse_args(argv)
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = config_from_hf(read_config(args.model_dir)).vocab_size
     prompts = make_prompts(args.num_seqs, vocab, args.seed)
-    llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed)
+    llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend)
     if args.perturb_generator_op:
         from titan_rl_ext.tools.parity_doctor import perturb_output_hook
 
@@ -166,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     rollouts = generate(llm, prompts, args.max_tokens, args.prefix_caching)
     from titan_rl_ext.models.hf import load_hf_model
 
-    model, _ = load_hf_model(args.model_dir, dtype=getattr(torch, args.dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = load_hf_model(args.model_dir, dtype=getattr(torch, args.dtype), device=device)
     model.eval()
     trainer = recompute(model, rollouts)
     gen = torch.cat([torch.tensor(r.gen_logprobs, dtype=torch.float32) for r in rollouts])

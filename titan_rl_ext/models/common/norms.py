@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x_hat = x32 * ops.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x_hat = x32 * ops.rsqrt(ops.mean_sq(x32) + self.eps)
         if self.zero_centered:
             return (x_hat * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x_hat.to(x.dtype)
@@ -46,6 +46,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x_hat = x32 * ops.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x_hat = x32 * ops.rsqrt(ops.mean_sq(x32) + self.eps)
         y = self.weight * x_hat.to(x.dtype)
         return (y * ops.silu(gate.float())).to(x.dtype)

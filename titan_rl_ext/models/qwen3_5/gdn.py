@@ -105,7 +105,7 @@ class GatedDeltaRuleKernel(nn.Module):
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * ops.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * ops.rsqrt(ops.sum_sq(x) + eps)
 
 
 class GatedDeltaNet(nn.Module):

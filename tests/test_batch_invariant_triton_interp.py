@@ -1,0 +1,148 @@
+"""The CUDA batch-invariant Triton kernels (``titan_rl_ext.kernels.batch_invariant_triton``), run on CPU
+under the Triton interpreter and checked against the torch references.
+
+``TRITON_INTERPRET=1`` must be set before a kernel is defined, and must not leak into other tests, so
+the checks run in a subprocess (this file executed as a script). Skipped where triton is missing.
+
+Interpreter caveats (not properties of the GPU kernels): its numpy ``dot`` mishandles bf16, so on
+CPU tensors the GEMM upcasts tiles to fp32 before the dot (exact: bf16/fp16 products fit in fp32); and
+its fp32 -> bf16 cast truncates instead of rounding to nearest, so bf16 outputs are checked to one
+bf16 ulp rather than half an ulp.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_kernels_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"interpreter checks failed:\n{r.stdout}\n{r.stderr}"
+    assert "ALL OK" in r.stdout, r.stdout
+    print(r.stdout, f"(subprocess {time.time() - t0:.1f}s)")
+
+
+# ------------------------------------------------------------------------------------------------
+# the checks, run in the subprocess
+
+
+def _gemm_bound(x, w_KN, y64):  # type: ignore[no-untyped-def]
+    """Allowed |y - y64|: output rounding (1 ulp of the output dtype) + fp32 accumulation over K."""
+    import torch
+
+    ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[x.dtype]
+    K = x.shape[1]
+    mag = x.double().abs() @ w_KN.double().abs()
+    return ulp * y64.abs() + K * 2.0**-24 * mag + 1e-30
+
+
+def _check_gemm() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.kernels import batch_invariant_triton as tri
+
+    g = torch.Generator().manual_seed(0)
+    # K tails (K % BLOCK_K != 0), N tails, several M tiles; 300 x 260 -> 9 tiles > 4 programs (persistent loop)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for M, K, N in ((300, 100, 260), (5, 64, 16), (1, 33, 7)):
+            x = torch.randn(M, K, generator=g).to(dtype)
+            w = torch.randn(N, K, generator=g).to(dtype)
+            y = tri.bi_matmul(x, w.t())  # transposed weight read in place, as bi.linear does
+            assert y.dtype == dtype and y.shape == (M, N)
+            y64 = x.double() @ w.double().t()
+            err = (y.double() - y64).abs()
+            assert (err <= _gemm_bound(x, w.t(), y64)).all(), (dtype, M, K, N, err.max().item())
+            # against the plain-PyTorch BI reference (mm_torch); bf16/fp16: both round to the output dtype
+            ref = bi.mm_torch(x.float(), w.float().t())
+            tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+            torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+            # contiguous b gives the same bits as the strided one
+            assert torch.equal(tri.bi_matmul(x, w.t().contiguous()), y)
+            # batch invariance: any row window, any offset
+            for s, n in ((0, 1), (M - 1, 1), (M // 3, min(M, 7)), (1, min(M - 1, 129)), (0, M)):
+                if n > 0 and s + n <= M:
+                    assert torch.equal(tri.bi_matmul(x[s : s + n], w.t()), y[s : s + n]), (dtype, M, s, n)
+    # the dispatch: on CPU bi.mm is the torch path, untouched
+    x = torch.randn(9, 40, generator=g)
+    w = torch.randn(40, 24, generator=g)
+    assert torch.equal(bi.mm(x, w), bi.mm_torch(x, w))
+    # empty / degenerate shapes
+    assert tri.bi_matmul(torch.zeros(0, 8), torch.zeros(8, 3)).shape == (0, 3)
+    assert torch.equal(tri.bi_matmul(torch.ones(2, 0), torch.ones(0, 3)), torch.zeros(2, 3))
+
+
+def _check_gemm_grad() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant_triton as tri
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 48, generator=g, requires_grad=True)
+    w = torch.randn(30, 48, generator=g, requires_grad=True)
+    gy = torch.randn(20, 30, generator=g)
+    tri.bi_mm(x, w.t()).backward(gy)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (x @ w.t()).backward(gy)
+    torch.testing.assert_close(gx, x.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(gw, w.grad, atol=1e-4, rtol=1e-5)
+
+
+def _check_rows() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant_triton as tri
+
+    g = torch.Generator().manual_seed(2)
+    for D in (128, 300, 2500):  # one strip, a tail, and several strips of ROW_BLOCK_D_MAX
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(40, D, generator=g) * 3).to(dtype)
+            s, m = tri.row_sum_sq(x), tri.row_mean_sq(x)
+            assert s.dtype == m.dtype == torch.float32 and s.shape == (40,)
+            s64 = (x.double() ** 2).sum(-1)
+            # all terms >= 0: relative error <= (D / BLOCK + log2 BLOCK) * 2^-24 << 1e-5
+            torch.testing.assert_close(s.double(), s64, rtol=1e-5, atol=0)
+            torch.testing.assert_close(m.double(), s64 / D, rtol=1e-5, atol=0)
+            for a, n in ((0, 1), (39, 1), (5, 3), (1, 38)):
+                assert torch.equal(tri.row_sum_sq(x[a : a + n]), s[a : a + n])
+                assert torch.equal(tri.row_mean_sq(x[a : a + n]), m[a : a + n])
+    # leading dims and non-contiguous input ([T, H, K] slices, as l2norm sees them)
+    x = torch.randn(6, 4, 2 * 64, generator=g)[..., :64]
+    torch.testing.assert_close(tri.row_sum_sq(x), (x * x).sum(-1), rtol=1e-6, atol=0)
+    assert tri.row_sum_sq(x).shape == (6, 4)
+    # gradients == torch autograd of the same expressions
+    for fn, ref in ((tri.row_sum_sq, lambda t: (t * t).sum(-1)), (tri.row_mean_sq, lambda t: t.pow(2).mean(-1))):
+        x = torch.randn(7, 3, 50, generator=g, requires_grad=True)
+        gy = torch.randn(7, 3, generator=g)
+        fn(x).backward(gy)
+        got = x.grad.clone()
+        x.grad = None
+        ref(x).backward(gy)
+        torch.testing.assert_close(got, x.grad, rtol=1e-6, atol=1e-7)
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    for check in (_check_gemm, _check_gemm_grad, _check_rows):
+        t0 = time.time()
+        check()
+        print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")
+    print("ALL OK")
+
+
+if __name__ == "__main__":
+    _main()

@@ -49,15 +49,19 @@ def attention_bi(
     if t_pad:
         q = F.pad(q, (0, 0, 0, t_pad))
     key_pos = torch.arange(k.shape[1], device=q.device)
+    # Every bmm operand is made contiguous: GEMM libraries may pick another algorithm (and summation
+    # order) for the same shape when batch strides differ, and slices of a longer or shorter sequence
+    # have different strides.
+    k_blocks = [k[:, b * KV_BLOCK : (b + 1) * KV_BLOCK].transpose(1, 2).contiguous() for b in range(n_blocks)]
+    v_blocks = [v[:, b * KV_BLOCK : (b + 1) * KV_BLOCK].contiguous() for b in range(n_blocks)]
     outs = []
     for t0 in range(0, q.shape[1], Q_TILE):
-        q_tile = q[:, t0 : t0 + Q_TILE]  # [N, Q_TILE, H]
+        q_tile = q[:, t0 : t0 + Q_TILE].contiguous()  # [N, Q_TILE, H]
         # padded query rows reuse the last real position so no row is fully masked
         pos = (q_start + torch.arange(t0, t0 + Q_TILE, device=q.device)).clamp(max=q_start + T - 1)
         scores = []
         for b in range(n_blocks):
-            kb = k[:, b * KV_BLOCK : (b + 1) * KV_BLOCK]
-            s = torch.bmm(q_tile, kb.transpose(1, 2))  # [N, Q_TILE, KV_BLOCK]
+            s = torch.bmm(q_tile, k_blocks[b])  # [N, Q_TILE, KV_BLOCK]
             visible = key_pos[None, b * KV_BLOCK : (b + 1) * KV_BLOCK] <= pos[:, None]
             scores.append(s.masked_fill(~visible, float("-inf")))
         m = torch.stack([s.amax(dim=-1) for s in scores]).amax(dim=0)  # [N, Q_TILE]
@@ -66,7 +70,7 @@ def attention_bi(
         for b, s in enumerate(scores):
             p = elementwise(torch.exp, s - m[..., None])
             l_sum = l_sum + p.sum(dim=-1)
-            acc = acc + torch.bmm(p, v[:, b * KV_BLOCK : (b + 1) * KV_BLOCK])
+            acc = acc + torch.bmm(p.contiguous(), v_blocks[b])
         outs.append(acc / l_sum[..., None])
     o = torch.cat(outs, dim=1)[:, :T]  # [N, T, Hv]
     return o.transpose(0, 1).to(q_TNH.dtype)

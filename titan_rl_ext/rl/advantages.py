@@ -73,8 +73,8 @@ def group_advantages(
     dev_N = r_N - mean_K[gid_N]
 
     # all-equal groups: exact zero (see module docstring); compared on the raw rewards, not on dev
-    max_K = r_N.new_full((K,), float("-inf")).index_reduce(0, gid_N, r_N, "amax")
-    min_K = r_N.new_full((K,), float("inf")).index_reduce(0, gid_N, r_N, "amin")
+    max_K = r_N.new_full((K,), float("-inf")).scatter_reduce(0, gid_N, r_N, "amax")
+    min_K = r_N.new_full((K,), float("inf")).scatter_reduce(0, gid_N, r_N, "amin")
     flat_N = (max_K == min_K)[gid_N]
     dev_N = torch.where(flat_N, 0, dev_N)
     if not normalize_std:
@@ -99,8 +99,8 @@ def zero_variance_groups(
     _, gid_N = torch.unique(_group_ids(r_N, group_size, group_ids_N), return_inverse=True)
     K = int(gid_N.max()) + 1
     rf_N = r_N.to(torch.promote_types(r_N.dtype, torch.float32))
-    max_K = rf_N.new_full((K,), float("-inf")).index_reduce(0, gid_N, rf_N, "amax")
-    min_K = rf_N.new_full((K,), float("inf")).index_reduce(0, gid_N, rf_N, "amin")
+    max_K = rf_N.new_full((K,), float("-inf")).scatter_reduce(0, gid_N, rf_N, "amax")
+    min_K = rf_N.new_full((K,), float("inf")).scatter_reduce(0, gid_N, rf_N, "amin")
     return (max_K == min_K)[gid_N]
 
 

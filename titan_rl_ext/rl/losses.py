@@ -30,8 +30,10 @@ Per-token surrogates ``l_t`` (the loss is to be minimised):
 
   implemented as ``-A_t * where(clipped_t, sg(clip(r_t)), r_t)`` with
   ``clipped_t = (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps_low)``: the same
-  value as the min form, but with an unambiguous gradient -- zero strictly beyond a boundary,
-  ``-A_t r_t grad(lp_new_t)`` at or inside it (``torch.minimum`` would halve gradients at ties).
+  value as the min form; the gradient is zero strictly beyond a boundary and ``-A_t r_t
+  grad(lp_new_t)`` at or inside it. Spelling the clipped set out (rather than relying on how
+  ``torch.minimum`` splits ties and ``clamp`` treats its bounds) makes that boundary convention
+  explicit, and the same set feeds the clip-fraction metrics.
 
 * DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM RL", arXiv:2602.04879), with
   ``dp_t = exp(lp_new_t) - exp(lp_old_t)`` (the sampled token's share of the total variation)::
@@ -70,7 +72,9 @@ so a caller's all-reduced token count needs no knowledge of the correction):
 Each loss returns ``(loss, metrics)``; metrics are detached 0-dim tensors (no host sync), means over
 the local loss tokens: ``clip_frac_low``/``clip_frac_high`` (tokens whose gradient the trust region
 zeroed, for A<0 / A>0), ``ratio_mean``, ``approx_kl`` (k3 estimate of KL(pi_old || pi_new)),
-``masked_frac`` (dropped by the mismatch correction), ``tis_weight_mean``, ``num_tokens``.
+``masked_frac`` (dropped by the mismatch correction), ``tis_weight_mean``, ``num_tokens`` (local
+count); when given the inputs also ``mismatch_kl`` (k3 of KL(generator || trainer)),
+``tis_clip_frac`` (TIS on), ``kl_ref`` (``lp_ref_T`` given), ``tv_mean`` (DPPO: mean |dp_t|).
 """
 
 from __future__ import annotations
@@ -111,7 +115,9 @@ class Configurable:
         def build(self, **kwargs: Any) -> Any:
             owner = type(self)._owner
             if owner is None:
-                raise NotImplementedError(f"{type(self).__name__} has no owner class; define Config inside a Configurable")
+                raise NotImplementedError(
+                    f"{type(self).__name__} has no owner class; define Config inside a Configurable"
+                )
             overlap = {f.name for f in fields(self)} & kwargs.keys()
             if overlap:
                 raise ValueError(f"build() kwargs {sorted(overlap)} overlap with config fields")
@@ -215,7 +221,10 @@ class MismatchCorrection(Configurable):
         c = self.config
         dtype = torch.promote_types(lp_old_T.dtype, torch.float32)
         zeros_T = torch.zeros(mask_T.shape, dtype=dtype, device=mask_T.device)
-        metrics: Metrics = {"masked_frac": _masked_mean(zeros_T, mask_T), "tis_weight_mean": _masked_mean(zeros_T + 1, mask_T)}
+        metrics: Metrics = {
+            "masked_frac": _masked_mean(zeros_T, mask_T),
+            "tis_weight_mean": _masked_mean(zeros_T + 1, mask_T),
+        }
         if lp_gen_T is None:
             if self.enabled:
                 raise ValueError("the mismatch correction is on but no generator logprobs (lp_gen_T) were given")
@@ -316,7 +325,7 @@ class PolicyLoss(Configurable):
 
         if lp_ref_T is not None:
             d_T = _sanitize(lp_ref_T.detach(), mask_T, dtype) - lp_new_T
-            kl_T = torch.exp(d_T) - d_T - 1  # k3: unbiased for KL(pi_new || pi_ref), >= 0
+            kl_T = torch.exp(d_T) - d_T - 1  # k3 estimator of KL(pi_new || pi_ref), as in GRPO; >= 0
             metrics["kl_ref"] = _masked_mean(kl_T.detach(), mask_T)
             if cfg.kl_coef > 0:
                 # on every loss token, unweighted by the mismatch correction (it regularises pi_new)
@@ -343,7 +352,9 @@ class PolicyLoss(Configurable):
         # batch still backpropagates zeros instead of failing)
         if self.config.aggregation == "token_mean":
             if num_global_seqs is not None:
-                raise ValueError("num_global_seqs is for aggregation='seq_mean'; token_mean takes num_global_valid_tokens")
+                raise ValueError(
+                    "num_global_seqs is for aggregation='seq_mean'; token_mean takes num_global_valid_tokens"
+                )
             if num_global_valid_tokens is None:
                 denom = mask_T.sum().to(loss_T.dtype).clamp(min=1)
             else:
@@ -359,7 +370,9 @@ class PolicyLoss(Configurable):
         N = lengths_N.numel()
         if int(cu[-1]) != loss_T.numel() or int(cu[0]) != 0:
             raise ValueError(f"cu_seqlens spans [{int(cu[0])}, {int(cu[-1])}) but there are {loss_T.numel()} tokens")
-        seq_id_T = torch.repeat_interleave(torch.arange(N, device=loss_T.device), lengths_N)
+        seq_id_T = torch.repeat_interleave(
+            torch.arange(N, device=loss_T.device), lengths_N, output_size=loss_T.numel()
+        )
         sum_N = loss_T.new_zeros(N).index_add(0, seq_id_T, loss_T)
         cnt_N = loss_T.new_zeros(N).index_add(0, seq_id_T, mask_T.to(loss_T.dtype))
         seq_mean_N = sum_N / cnt_N.clamp(min=1)

@@ -184,6 +184,12 @@ def _fla_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+    # Always hand FLA an initial state (zeros for fresh sequences): its kernels are specialised on
+    # whether one is given, and the two compiled variants round differently -- a prefill without state
+    # and the decode steps after it must run the same code for batch invariance.
+    if initial_state is None:
+        N = cu_seqlens.numel() - 1
+        initial_state = torch.zeros(N, v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32, device=q.device)
     # FLA wants a leading batch dim of 1 for varlen, and int32/int64 cu_seqlens on the device.
     args = dict(
         q=q.to(v.dtype).unsqueeze(0),

@@ -7,7 +7,8 @@ out=${OUT:-/tmp/parity-gpu}
 mkdir -p "$out" /tmp/tiny
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 for arch in qwen3_5 qwen3_5_moe qwen3; do
-    [ -f /tmp/tiny/$arch/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch $arch --out /tmp/tiny/$arch >/dev/null 2>&1
+    # text layout: vLLM 0.26 wants an image processor config for the multimodal architectures
+    [ -f /tmp/tiny/$arch/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch $arch --layout text --out /tmp/tiny/$arch >/dev/null 2>&1
 done
 run() {  # name, args...
     local name=$1; shift
@@ -15,7 +16,7 @@ run() {  # name, args...
     echo "$name rc=$? $(grep -E '^(prompts|logprob_diff|doctor)' "$out/$name.log" | tr '\n' ' ')"
     grep -E "Error|error" "$out/$name.log" | tail -3
 }
-run qwen3_5_bi_prefix  --model-dir /tmp/tiny/qwen3_5 --bi --prefix-caching --dtype bfloat16
-run qwen3_5_nobi_prefix --model-dir /tmp/tiny/qwen3_5 --prefix-caching --dtype bfloat16 --doctor
+run qwen3_5_bi_prefix  --model-dir /tmp/tiny/qwen3_5 --bi --prefix-caching --dtype bfloat16 --doctor
+run qwen3_5_nobi_prefix --model-dir /tmp/tiny/qwen3_5 --prefix-caching --dtype bfloat16
 run qwen3_5_moe_bi_prefix --model-dir /tmp/tiny/qwen3_5_moe --bi --prefix-caching --dtype bfloat16
-run qwen3_bi_prefix --model-dir /tmp/tiny/qwen3 --bi --prefix-caching --dtype bfloat16
+run qwen3_bi_prefix --model-dir /tmp/tiny/qwen3 --bi --prefix-caching --dtype bfloat16 --doctor

@@ -133,11 +133,14 @@ def doctor(llm: object, model: torch.nn.Module, rollout: Rollout) -> str:
     with pd.capture(model, trainer_cap):
         token_logprobs(model, torch.tensor(seq, device=device), SeqBatch.from_lengths([len(seq)], device=device))
     d = pd.first_divergence(trainer_cap, gen_cap, len(seq))
+    missing = pd.unmatched_modules(trainer_cap, gen_cap)
+    compared = len(trainer_cap.order) - len(missing)
+    note = f"; compared {compared} modules" + (f", not seen in the engine: {missing[:6]}" if missing else "")
     if d is None:
-        return f"doctor: replay of a {len(seq)}-token sequence is bit-identical in every captured module"
+        return f"doctor: replay of a {len(seq)}-token sequence is bit-identical in every captured module{note}"
     return (
         f"doctor: first divergence at module '{d.module}' ({d.rows_differing}/{d.rows} token rows differ, "
-        f"max |diff| {d.max_abs:.3e}); every module before it matched bit for bit"
+        f"max |diff| {d.max_abs:.3e}); every module before it matched bit for bit{note}"
     )
 
 

@@ -81,6 +81,11 @@ class Divergence:
     max_abs: float
 
 
+def unmatched_modules(trainer: Capture, generator: Capture) -> list[str]:
+    """Trainer modules the generator side never reported (naming mismatch or bypassed modules)."""
+    return [n for n in trainer.order if n not in generator.chunks]
+
+
 def first_divergence(trainer: Capture, generator: Capture, n_tokens: int) -> Divergence | None:
     """Compare the first ``n_tokens`` rows of every module both sides captured, in trainer order."""
     for name in trainer.order:

@@ -113,3 +113,95 @@ def gdn_state_copy_funcs() -> tuple[Callable[..., Any], ...]:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
     return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+# -- weight push / in-place swap (vllm_titan_plugin.swap_endpoint) ---------------------------------------
+# vLLM 0.32: ``python -m vllm.entrypoints.openai.api_server`` runs ``launchers/api_server/entry.py:main``,
+# whose ``build_and_serve`` calls the module-level name ``build_app`` (bound by ``from ..app import
+# build_app``) and then ``init_app_state``, which stores the engine client in ``app.state.engine_client``.
+# Replacing that module attribute is the hook: it runs once, in the API-server process only, before the
+# app serves. (vLLM 0.32 also has ``vllm.endpoint_plugins`` entry points, but that needs a second entry
+# point and its contract forbids new engine access paths such as ``collective_rpc``.)
+API_SERVER_ENTRY_MODULES = (
+    "vllm.entrypoints.launchers.api_server.entry",  # 0.32
+    "vllm.entrypoints.openai.api_server",  # older releases define build_app / build_and_serve here
+)
+
+
+def wrap_api_server_build_app(hook: Callable[[Any], Any], mark: str) -> bool:
+    """Make the API server's ``build_app`` pass its app through ``hook``. Only modules that are already
+    imported are patched, so engine-core and worker processes never import the HTTP stack. Idempotent
+    (``mark`` tags the wrapper); returns whether some module was patched now or before."""
+    import functools
+    import sys
+
+    patched = False
+    for name in API_SERVER_ENTRY_MODULES:
+        mod = sys.modules.get(name)
+        orig = getattr(mod, "build_app", None) if mod is not None else None
+        if orig is None:
+            continue
+        if getattr(orig, mark, False):
+            patched = True
+            continue
+
+        @functools.wraps(orig)
+        def build_app(*args: Any, _orig: Callable[..., Any] = orig, **kwargs: Any) -> Any:
+            return hook(_orig(*args, **kwargs))
+
+        setattr(build_app, mark, True)
+        mod.build_app = build_app  # type: ignore[attr-defined]
+        patched = True
+    return patched
+
+
+def engine_client_of(app: Any) -> Any:
+    """The ``EngineClient`` (``AsyncLLM``) the API server stored on its app state (app_state.py:63)."""
+    return app.state.engine_client
+
+
+async def pause_generation(engine_client: Any, *, keep_cache: bool) -> None:
+    """Stop scheduling (async_llm.py:952 -> core.py:2061). ``mode="keep"`` freezes in-flight requests in
+    place; ``clear_cache=False`` keeps their KV/GDN state (they continue with the new weights), while
+    ``clear_cache=True`` preempts them and resets the prefix cache (core.py:898), so they recompute."""
+    await engine_client.pause_generation(mode="keep", clear_cache=not keep_cache)
+
+
+async def resume_generation(engine_client: Any) -> None:
+    await engine_client.resume_generation()
+
+
+async def worker_rpc(engine_client: Any, method: str, *args: str) -> list[Any]:
+    """Call ``method`` on every worker (async_llm.py:1205). A method *name*, not a callable: callables
+    cross the engine-core process boundary only as cloudpickle, which needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; names resolve through ``WorkerWrapperBase.__getattr__``
+    (worker_base.py:352) to the methods installed by :func:`install_worker_methods`."""
+    return list(await engine_client.collective_rpc(method, args=tuple(args)))
+
+
+def install_worker_methods(methods: dict[str, Callable[..., Any]]) -> None:
+    """Add methods to vLLM's worker base class (run in every process by the plugin entry point)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for name, fn in methods.items():
+        if getattr(WorkerBase, name, None) is not fn:
+            setattr(WorkerBase, name, fn)
+
+
+def worker_model(worker: Any) -> torch.nn.Module:
+    """The served model inside a worker (``get_model``: cpu_model_runner.py:80, gpu_worker.py:1129)."""
+    return worker.get_model()
+
+
+def add_asgi_middleware(app: Any, middleware_cls: type, **options: Any) -> None:
+    """Add an outermost user middleware to vLLM's FastAPI app. vLLM 0.32's ``build_app`` ends with
+    ``sagemaker_standards_bootstrap`` (launchers/app.py:55), which already builds the middleware stack
+    (model_hosting_container_standards .../middleware/core.py:99), after which Starlette refuses
+    ``add_middleware``; so insert and rebuild the stack the same way."""
+    from starlette.middleware import Middleware
+
+    if getattr(app, "middleware_stack", None) is None:
+        app.add_middleware(middleware_cls, **options)
+        return
+    app.user_middleware.insert(0, Middleware(middleware_cls, **options))
+    app.middleware_stack = app.build_middleware_stack()

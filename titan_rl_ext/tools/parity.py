@@ -115,7 +115,7 @@ def doctor(llm: object, model: torch.nn.Module, rollout: Rollout) -> str:
     hooks: list[object] = []
 
     def install(worker: object) -> None:
-        cm = pd.capture(engine_model(worker), gen_cap, skip_prefix="model.")
+        cm = pd.capture(engine_model(worker), gen_cap)
         cm.__enter__()
         hooks.append(cm)
 

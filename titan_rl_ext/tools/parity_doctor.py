@@ -1,7 +1,8 @@
 """``tools.parity --doctor``: find the first op where generator and trainer stop being bit-identical.
 
-Both sides run the titan modules, so every module has the same name on both sides (the vLLM wrapper
-adds a ``model.`` prefix and the GDN wrapper a ``.layer`` segment, stripped here). Forward hooks
+Both sides run the titan modules, so every module has the same name on both sides: names are taken
+relative to the titan ``Decoder`` wherever an engine nests it, and the GDN wrapper's ``.layer``
+segment is stripped. Forward hooks
 record each module's output for one sequence; the outputs are compared in the trainer's execution
 order and the first module whose bits differ is reported -- its inputs were identical (the previous
 module matched), so that op is where the divergence starts.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-_WRAPPER_SEGMENTS = re.compile(r"^model\.|(?<=linear_attn)\.layer(?=\.|$)")
+_WRAPPER_SEGMENTS = re.compile(r"(?<=linear_attn)\.layer(?=\.|$)")
 
 
 def canonical_name(name: str) -> str:
@@ -49,14 +50,25 @@ class Capture:
         return torch.cat(self.chunks[name], dim=0)
 
 
+def titan_decoder(root: nn.Module) -> nn.Module:
+    """The titan ``Decoder`` inside whatever an engine wraps it in (names are taken relative to it)."""
+    from titan_rl_ext.models.common.decoder import Decoder
+
+    for mod in root.modules():
+        if isinstance(mod, Decoder):
+            return mod
+    raise TypeError(f"no titan Decoder inside {type(root).__name__}")
+
+
 @contextlib.contextmanager
-def capture(root: nn.Module, into: Capture, skip_prefix: str = "") -> Iterator[Capture]:
-    """Record the output of every submodule of ``root`` whose output is a token-major tensor."""
+def capture(root: nn.Module, into: Capture) -> Iterator[Capture]:
+    """Record the output of every submodule of the titan decoder in ``root`` whose output is a
+    token-major tensor."""
     handles = []
     # an engine wrapper and the titan module it holds share a canonical name: keep the inner one
     by_key: dict[str, nn.Module] = {}
-    for name, mod in root.named_modules():
-        if name and (not skip_prefix or name.startswith(skip_prefix)):
+    for name, mod in titan_decoder(root).named_modules():
+        if name:
             by_key[canonical_name(name)] = mod
     for key, mod in by_key.items():
 
@@ -104,7 +116,7 @@ def first_divergence(trainer: Capture, generator: Capture, n_tokens: int) -> Div
 
 def perturb_output_hook(root: nn.Module, module_name: str) -> torch.utils.hooks.RemovableHandle:
     """Debug aid: nudge one module's output by one ulp on one side, to show the doctor finds it."""
-    mods = {canonical_name(n): m for n, m in root.named_modules()}
+    mods = {canonical_name(n): m for n, m in titan_decoder(root).named_modules()}
     if module_name not in mods:
         raise KeyError(f"no module {module_name!r}; e.g. {sorted(mods)[:8]}")
 

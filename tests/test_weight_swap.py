@@ -1,0 +1,359 @@
+"""Weight push + in-place swap (``vllm_titan_plugin.swap_endpoint``, ``titan_rl_ext.rl.weight_sync``).
+
+One real OpenAI API server (``python -m vllm.entrypoints.openai.api_server --model-impl titan``, tiny
+Qwen3.5, fp32, prefix caching on) serves the whole module with ``TITAN_SWAP_TOKEN`` set; the tests
+share it, so each one reads the current weight version and checksums instead of assuming them. The
+"routes off" check builds vLLM's app without an engine in a subprocess (no second server).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from test_vllm_plugin import _free_port, _server_cmd, _server_env
+from titan_rl_ext.rl.weight_sync import WeightPusher, WeightPushError, checksum, serialize
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "titan-test-token-5f3c9a"  # checked to never appear in the server log
+ROUTE = "/titan/v1/weights"
+SALT_PROMPT_LEN = 300  # > one prefix-cache block (256 tokens for the tiny hybrid model in align mode)
+# A stream long enough (~5 s on these CPUs) that the push lands mid-generation even when the client
+# sees the chunks late (on 2 busy cores the API server can deliver a second's worth in one burst).
+STREAM_TOKENS = 1000
+
+
+@dataclass
+class Server:
+    base: str
+    port: int
+    model: str
+    log: Path
+    pusher: WeightPusher
+    reference: dict[str, torch.Tensor]  # the checkpoint's titan state dict (what the server starts with)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from titan_rl_ext.models.hf import load_hf_model
+
+    model_dir = tiny_ckpt("qwen3_5", layout="vlm")
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("swap_server") / "server.log"
+    cmd = _server_cmd(model_dir, port, 1024) + ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    env = {**_server_env(), "TITAN_SWAP_TOKEN": TOKEN}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        import requests
+
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.time() < deadline, "server not ready in 240 s"
+            time.sleep(1)
+        model, _ = load_hf_model(model_dir)
+        ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        yield Server(base, port, str(model_dir), log_path, WeightPusher([base], TOKEN), ref)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+def _auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _version(s: Server) -> int:
+    import requests
+
+    return requests.get(f"{s.base}{ROUTE}/version", timeout=10).json()["version"]
+
+
+def _push_raw(s: Server, body: bytes, version: int, headers: dict[str, str] | None = None, **params: str) -> Any:
+    import requests
+
+    return requests.post(f"{s.base}{ROUTE}", params={"version": str(version), **params}, data=body,
+                         headers=_auth() if headers is None else headers, timeout=120)
+
+
+def _complete(s: Server, prompt: list[int] | list[list[int]], max_tokens: int = 16, **extra: Any) -> Any:
+    import requests
+
+    body = {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, **extra}
+    r = requests.post(f"{s.base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _greedy(s: Server, prompts: list[list[int]]) -> list[tuple[list[str], list[float]]]:
+    """Greedy tokens and their logprobs, 32 per prompt (one batched request)."""
+    choices = sorted(_complete(s, prompts, max_tokens=32).json()["choices"], key=lambda c: c["index"])
+    return [(c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"]) for c in choices]
+
+
+def _cached(r: Any) -> int:
+    return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+# -- routes off without the token --------------------------------------------------------------------------
+_OFF_CHECK = r"""
+import sys
+import vllm.entrypoints.launchers.api_server.entry as entry
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from starlette.testclient import TestClient
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", sys.argv[1]])  # loads the plugins
+client = TestClient(entry.build_app(args, ("generate",), None))
+print("STATUS", client.get("/titan/v1/weights/version").status_code, client.post("/titan/v1/weights?version=1").status_code)
+"""
+
+
+def test_routes_absent_without_token(tiny_ckpt: Any) -> None:
+    """vLLM's own app builder (no engine needed for routing) with the plugin loaded, env var unset."""
+    env = {k: v for k, v in _server_env().items() if k != "TITAN_SWAP_TOKEN"}
+    r = subprocess.run([sys.executable, "-c", _OFF_CHECK, str(tiny_ckpt("qwen3_5", layout="vlm"))],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert "STATUS 404 404" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+# -- auth, version ordering --------------------------------------------------------------------------------
+def test_auth_and_version_conflict(server: Server) -> None:
+    import requests
+
+    body = serialize(server.reference)
+    v = _version(server)
+    assert _push_raw(server, body, v + 1, headers={}).status_code == 401
+    assert _push_raw(server, body, v + 1, headers={"Authorization": "Basic abc"}).status_code == 401
+    assert _push_raw(server, body, v + 1, headers=_auth("wrong")).status_code == 403
+    assert requests.get(f"{server.base}{ROUTE}/checksums", timeout=10).status_code == 401
+    assert requests.get(f"{server.base}{ROUTE}/checksums", headers=_auth("wrong"), timeout=10).status_code == 403
+    r = requests.post(f"{server.base}{ROUTE}", data=body, headers=_auth(), timeout=60)  # no version
+    assert r.status_code == 400, r.text
+    assert _push_raw(server, body, v + 1, mode="sideways").status_code == 400
+    r = _push_raw(server, body, v)  # not strictly greater
+    assert r.status_code == 409, r.text
+    assert _push_raw(server, body, v - 1).status_code == 409
+    assert _version(server) == v
+
+
+# -- rejected pushes leave the weights alone ---------------------------------------------------------------
+def _bad_payload(ref: dict[str, torch.Tensor], case: str) -> tuple[dict[str, torch.Tensor] | bytes, str | None]:
+    """(a state dict the pusher serialises, or raw bytes; a tensor name the error must mention)."""
+    sd = {k: v.clone() for k, v in ref.items()}
+    if case == "wrong_name":
+        sd["layers.0.attention_norm.wieght"] = sd.pop("layers.0.attention_norm.weight")
+        return sd, "layers.0.attention_norm.wieght"
+    if case == "missing":
+        del sd["norm.weight"]
+        return sd, "norm.weight"
+    if case == "extra":
+        sd["layers.0.bonus.weight"] = torch.zeros(3)
+        return sd, "layers.0.bonus.weight"
+    if case == "wrong_shape":
+        sd["tok_embeddings.weight"] = sd["tok_embeddings.weight"][:-1]
+        return sd, "tok_embeddings.weight"
+    if case == "wrong_dtype":
+        sd["layers.1.attention.wq.weight"] = sd["layers.1.attention.wq.weight"].to(torch.bfloat16)
+        return sd, "layers.1.attention.wq.weight"
+    if case == "nan":
+        sd["layers.2.feed_forward.w1.weight"][3, 5] = float("nan")
+        return sd, "layers.2.feed_forward.w1.weight"
+    if case == "inf":
+        sd["layers.0.linear_attn.A_log"][0] = float("inf")
+        return sd, "layers.0.linear_attn.A_log"
+    if case == "truncated":
+        return serialize(sd)[:-1000], None
+    if case == "garbage":
+        return b"\x80\x04 this is not a safetensors file", None
+    if case == "corrupt_header":
+        raw = bytearray(serialize(sd))
+        raw[8] = ord("x")  # the JSON header no longer parses
+        return bytes(raw), None
+    raise AssertionError(case)
+
+
+BAD_CASES = {
+    "wrong_name": 422, "missing": 422, "extra": 422, "wrong_shape": 422, "wrong_dtype": 422, "nan": 422,
+    "inf": 422, "truncated": 400, "garbage": 400, "corrupt_header": 400,
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_push_rejected_and_weights_unchanged(server: Server, case: str) -> None:
+    before, v = server.pusher.checksums(), _version(server)
+    payload, name = _bad_payload(server.reference, case)
+    if isinstance(payload, bytes):
+        r = _push_raw(server, payload, v + 1)
+        status, detail = r.status_code, r.json().get("detail", r.text)
+    else:  # through the trainer-side client, which must raise naming the server and the status
+        with pytest.raises(WeightPushError, match=f"HTTP {BAD_CASES[case]}") as exc:
+            server.pusher.push(payload, v + 1)
+        status, detail = exc.value.results[0]["status"], exc.value.results[0]["error"]["detail"]
+    assert status == BAD_CASES[case], detail
+    if name is not None:
+        assert name in detail, detail
+    assert server.pusher.checksums() == before
+    assert _version(server) == v
+    _complete(server, [5, 6, 7], max_tokens=4)  # still serving
+
+
+def test_oversized_push_refused_before_reading(server: Server) -> None:
+    v, before = _version(server), server.pusher.checksums()
+    # Content-Length over the bound: answered from the headers, no body ever sent.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", f"{ROUTE}?version={v + 1}")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Content-Length", str(10**12))
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413, r.read()
+    conn.close()
+    # Chunked upload (no length): refused once the stream passes 2x model bytes + 1 MiB (~3.2 MB here).
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", f"{ROUTE}?version={v + 1}")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    chunk = b"\0" * 65536
+    for _ in range(64):
+        conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    conn.send(b"0\r\n\r\n")
+    r = conn.getresponse()
+    assert r.status == 413, r.read()
+    conn.close()
+    assert server.pusher.checksums() == before and _version(server) == v
+
+
+# -- a good push -------------------------------------------------------------------------------------------
+def test_good_push_swaps_bit_exact(server: Server) -> None:
+    prompts = [[5, 17, 99, 3, 250, 42], _prompt(40, seed=1), _prompt(90, seed=2)]
+    new = {k: v * 1.01 for k, v in server.reference.items()}
+    # start from the checkpoint's weights (an earlier test may have left others)
+    server.pusher.push(server.reference, _version(server) + 1)
+    assert server.pusher.checksums() == checksum(server.reference)
+    before = _greedy(server, prompts)
+
+    v = _version(server) + 1
+    t0 = time.perf_counter()
+    (res,) = server.pusher.push(new, v)
+    client_s = time.perf_counter() - t0
+    assert res["version"] == v and res["num_tensors"] == len(new)
+    assert _version(server) == v
+    assert server.pusher.checksums() == checksum(new)  # bit for bit
+    r = _complete(server, prompts[0])
+    assert r.headers["x-titan-weight-version"] == str(v)
+    after = _greedy(server, prompts)
+    assert any(t1 != t0 for (t0, _), (t1, _) in zip(before, after)), "greedy output unchanged by the new weights"
+    assert all(l1[0] != l0[0] for (_, l0), (_, l1) in zip(before, after))
+    print(f"\nswap latency (CPU, {res['num_tensors']} tensors, {res['bytes'] / 1e6:.2f} MB): "
+          f"paused {res['swap_seconds'] * 1e3:.1f} ms, validate {res['validate_seconds'] * 1e3:.1f} ms, "
+          f"client round trip incl. serialisation {client_s * 1e3:.1f} ms")
+
+
+# -- swaps under a streaming request -----------------------------------------------------------------------
+def _stream_across_push(server: Server, mode: str, max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int]:
+    import requests
+
+    old = _version(server)
+    chunks: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with requests.post(f"{server.base}/v1/completions", json=body, stream=True, timeout=300) as r:
+                assert r.status_code == 200, r.text
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        chunks.append(json.loads(line[len(b"data: "):]))
+        except BaseException as e:  # noqa: BLE001 - surfaced by the caller
+            errors.append(e)
+
+    th = threading.Thread(target=consume)
+    th.start()
+    deadline = time.time() + 120
+    while len(chunks) < 5 and th.is_alive():
+        assert time.time() < deadline, "stream did not start"
+        time.sleep(0.005)
+    assert th.is_alive(), "stream finished before the push: make it longer"
+    server.pusher.push(server.reference, old + 1, mode=mode)
+    th.join(timeout=300)
+    assert not errors, errors
+    return chunks, old
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_swap_during_streaming_request(server: Server, mode: str) -> None:
+    chunks, old = _stream_across_push(server, mode)
+    versions = [c["titan_weight_version"] for c in chunks]
+    assert all(a <= b for a, b in zip(versions, versions[1:])), versions
+    assert versions[0] == old and versions[-1] == old + 1, (versions[0], versions[-1])
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == STREAM_TOKENS  # the request completed
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    assert finish[-1] == "length"
+    n_old = versions.count(old)
+    print(f"\n{mode}: {n_old} chunks tagged v{old}, {len(versions) - n_old} tagged v{old + 1}")
+
+
+# -- prefix cache salted per version -----------------------------------------------------------------------
+def test_prefix_cache_salted_per_version(server: Server) -> None:
+    prompt = _prompt(SALT_PROMPT_LEN, seed=11)
+    _complete(server, prompt, max_tokens=2)
+    assert _cached(_complete(server, prompt, max_tokens=2)) > 0  # repeat within one version hits
+    own = _prompt(SALT_PROMPT_LEN, seed=12)
+    _complete(server, own, max_tokens=2, cache_salt="client-salt")
+    # Same weights pushed as a new version: the KV a prefix would reuse is identical, so only the salt
+    # can prevent the hit; ``keep`` mode does not reset the prefix cache.
+    server.pusher.push(server.reference, _version(server) + 1)
+    assert _cached(_complete(server, prompt, max_tokens=2)) == 0  # no reuse across versions
+    assert _cached(_complete(server, prompt, max_tokens=2)) > 0  # the new version caches again
+    assert _cached(_complete(server, own, max_tokens=2, cache_salt="client-salt")) > 0  # client salt kept
+
+
+def test_chat_completion_carries_version(server: Server) -> None:
+    import requests
+
+    body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = requests.post(f"{server.base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-titan-weight-version"] == str(_version(server))
+    with requests.post(f"{server.base}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert data and all(c["titan_weight_version"] == _version(server) for c in data)
+
+
+def test_token_never_logged(server: Server) -> None:
+    assert TOKEN not in server.log.read_text()

@@ -1,0 +1,105 @@
+"""Trainer side of the weight push: serialise the titan state dict and POST it to every generator.
+
+The generators run vLLM with ``--model-impl titan`` and ``TITAN_SWAP_TOKEN`` set
+(``vllm_titan_plugin.swap_endpoint``). The payload is a safetensors file (never pickle) holding the full
+titan state dict under titan names; each server validates all of it before touching any weight and swaps
+in place. ``checksum`` is the function both sides use, so the trainer can compare its tensors with
+``GET /titan/v1/weights/checksums`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+WEIGHTS_ROUTE = "/titan/v1/weights"
+
+
+class WeightPushError(RuntimeError):
+    """A generator rejected a push (or could not be reached). ``results`` holds every server's answer."""
+
+    def __init__(self, message: str, results: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """sha256 over dtype, shape and the raw bytes: equal digests mean bit-identical tensors."""
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+    # A uint8 view exposes the raw bytes of any dtype (bf16 included) without numpy dtype support.
+    h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def checksum(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Per-tensor checksums, comparable with the server's ``GET /titan/v1/weights/checksums``."""
+    return {name: tensor_checksum(t) for name, t in state_dict.items()}
+
+
+def serialize(state_dict: Mapping[str, torch.Tensor]) -> bytes:
+    """The safetensors bytes of a state dict (CPU, contiguous; shared storage is copied apart)."""
+    from safetensors.torch import save
+
+    return save({name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()})
+
+
+class WeightPusher:
+    """Push full titan state dicts to generator servers.
+
+    ``urls`` are server base URLs (``http://host:port``); ``token`` is the servers' ``TITAN_SWAP_TOKEN``.
+    ``mode="keep"`` lets in-flight requests continue with their KV cache on the new weights;
+    ``"recompute"`` preempts them so they recompute with the new weights.
+    """
+
+    def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0) -> None:
+        if not urls:
+            raise ValueError("WeightPusher needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
+        self.timeout_s = timeout_s
+
+    def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
+        """Serialise once, POST to every server concurrently; returns each server's JSON answer
+        (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``). Raises
+        ``WeightPushError`` naming every server that rejected the push."""
+        if mode not in ("keep", "recompute"):
+            raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
+        payload = serialize(state_dict)
+        params = {"version": str(int(version)), "mode": mode}
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            results = list(pool.map(lambda u: self._post(u, payload, params), self.urls))
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            lines = "; ".join(f"{r['url']}: HTTP {r['status']} {r['error']}" for r in failed)
+            raise WeightPushError(f"weight push v{version} rejected by {len(failed)}/{len(results)} server(s): {lines}",
+                                  results)
+        return [r["response"] for r in results]
+
+    def checksums(self, url: str | None = None) -> dict[str, str]:
+        """The live model's per-parameter checksums on one server (the first by default)."""
+        import requests
+
+        r = requests.get(f"{url or self.urls[0]}{WEIGHTS_ROUTE}/checksums", headers=self._headers, timeout=self.timeout_s)
+        r.raise_for_status()
+        return r.json()["checksums"]
+
+    def _post(self, url: str, payload: bytes, params: dict[str, str]) -> dict[str, Any]:
+        import requests
+
+        try:
+            r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=payload, headers=self._headers,
+                              timeout=self.timeout_s)
+        except requests.RequestException as e:
+            return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
+        if r.status_code == 200:
+            return {"url": url, "ok": True, "status": 200, "response": r.json()}
+        try:
+            detail: Any = r.json()
+        except ValueError:
+            detail = r.text[:2000]
+        return {"url": url, "ok": False, "status": r.status_code, "error": detail}

@@ -23,10 +23,8 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -35,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from servers import free_port, openai_server, server_cmd, server_env
 
 LOGPROB_TOL = 1e-4
 ENGINE_ENV = {
@@ -447,26 +446,6 @@ def test_image_request_rejected_and_engine_keeps_serving(tiny_ckpt) -> None:
 
 
 # -- 6. the OpenAI server, started the way a user starts it -------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _server_cmd(model_dir: Path, port: int, max_model_len: int) -> list[str]:
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--model-impl", "titan", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", str(max_model_len),
-    ]
-
-
-def _server_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # as a user runs it
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    return env
-
-
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """(HTTP status, JSON body), error responses included."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -480,7 +459,7 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 @pytest.mark.slow
 def test_openai_server_rejects_unsupported_architecture(llama_ckpt: Path) -> None:
     r = subprocess.run(
-        _server_cmd(llama_ckpt, _free_port(), 256), capture_output=True, text=True, timeout=300, env=_server_env(),
+        server_cmd(llama_ckpt, free_port(), 256), capture_output=True, text=True, timeout=300, env=server_env(),
     )
     assert r.returncode != 0
     assert "--model-impl titan does not support architecture(s) ['LlamaForCausalLM']" in r.stderr, r.stderr[-3000:]
@@ -490,25 +469,9 @@ def test_openai_server_rejects_unsupported_architecture(llama_ckpt: Path) -> Non
 @pytest.mark.slow
 def test_openai_server_completion_and_image_rejection(tiny_ckpt, tmp_path: Path) -> None:
     model_dir = _ckpt(tiny_ckpt, "qwen3_5", "vlm")
-    port = _free_port()
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        _server_cmd(model_dir, port, 512), stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server not ready in 240 s"
-            time.sleep(1)
+    with openai_server(model_dir, tmp_path / "server.log") as server:
+        server.wait_ready()
+        base = server.base
         completion = {"model": str(model_dir), "prompt": "hello world", "max_tokens": 8, "temperature": 0,
                       "ignore_eos": True}
         status, first = _post(f"{base}/v1/completions", completion)
@@ -525,12 +488,4 @@ def test_openai_server_completion_and_image_rejection(tiny_ckpt, tmp_path: Path)
         status, again = _post(f"{base}/v1/completions", completion)
         assert status == 200, again
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
     assert "titan: loaded" in (tmp_path / "server.log").read_text()

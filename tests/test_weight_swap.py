@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from test_vllm_plugin import _free_port, _server_cmd, _server_env
+from servers import openai_server, server_env
 from titan_rl_ext.rl.weight_sync import WeightPusher, WeightPushError, checksum, serialize
 
 pytestmark = pytest.mark.slow
@@ -51,36 +50,13 @@ def server(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     from titan_rl_ext.models.hf import load_hf_model
 
     model_dir = tiny_ckpt("qwen3_5", layout="vlm")
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("swap_server") / "server.log"
-    cmd = _server_cmd(model_dir, port, 1024) + ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    env = {**_server_env(), "TITAN_SWAP_TOKEN": TOKEN}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        import requests
-
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.time() < deadline, "server not ready in 240 s"
-            time.sleep(1)
+    extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    with openai_server(model_dir, log_path, 1024, extra, server_env(TITAN_SWAP_TOKEN=TOKEN)) as srv:
+        srv.wait_ready()
         model, _ = load_hf_model(model_dir)
         ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        yield Server(base, port, str(model_dir), log_path, WeightPusher([base], TOKEN), ref)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        yield Server(srv.base, srv.port, str(model_dir), log_path, WeightPusher([srv.base], TOKEN), ref)
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
@@ -141,7 +117,7 @@ print("STATUS", client.get("/titan/v1/weights/version").status_code, client.post
 
 def test_routes_absent_without_token(tiny_ckpt: Any) -> None:
     """vLLM's own app builder (no engine needed for routing) with the plugin loaded, env var unset."""
-    env = {k: v for k, v in _server_env().items() if k != "TITAN_SWAP_TOKEN"}
+    env = {k: v for k, v in server_env().items() if k != "TITAN_SWAP_TOKEN"}
     r = subprocess.run([sys.executable, "-c", _OFF_CHECK, str(tiny_ckpt("qwen3_5", layout="vlm"))],
                        capture_output=True, text=True, timeout=300, env=env)
     assert "STATUS 404 404" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -8,7 +8,6 @@ state a sequence starts from zeros -- the same as left zero padding, which is wh
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from titan_rl_ext.kernels import ops
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_rl_ext.kernels import ops
 from titan_rl_ext.models.common.attention import Attention, KVState

@@ -13,7 +13,6 @@ from typing import Any, Callable, Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_rl_ext.kernels.conv import causal_conv1d_torch
 from titan_rl_ext.kernels import batch_invariant as bi

@@ -9,3 +9,4 @@ patch_torchtitan()
 from titan_rl_ext.configs import qwen3_5_debug, qwen3_5_moe_debug, qwen3_debug  # noqa: E402
 
 __all__ = ["qwen3_5_debug", "qwen3_5_moe_debug", "qwen3_debug"]
+from titan_rl_ext.configs import qwen3_5_9b_dapo_math, rl_tiny_cpu  # noqa: E402,F401

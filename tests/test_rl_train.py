@@ -1,0 +1,98 @@
+"""RL training entry point end to end: a real vLLM server (tiny Qwen3.5, fp32, batch invariant, swap
+endpoint on) and ``torchrun -m titan_rl_ext.train --module titan_rl_ext.configs --config rl_tiny_cpu``
+for 3 synchronous steps, then a resume from the step-3 checkpoint for a 4th step.
+
+On-policy (``offpolicy=0``) with batch invariance on both sides, every step's rollouts were sampled by
+the weights the trainer holds at that step -- the ones it pushed after the previous step -- so the
+trainer's recompute must equal the generator's logprobs bit for bit at *every* step, which checks the
+push/swap as much as the kernels. After the run the server's weights equal the trainer's final ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servers import openai_server, server_env
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "rl-train-test-token-7d1e"
+
+
+def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(cache), TITAN_SWAP_TOKEN=TOKEN,
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_tiny_cpu",
+           "--training.steps", str(steps), "--rl.no-spawn-server", "--rl.generator-urls", base,
+           "--rl.offpolicy", "0", "--rl.run-dir", str(tmp_path / "run"), "--dump-folder", str(tmp_path / "dump"),
+           "--checkpoint.enable", "--checkpoint.interval", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    log = r.stdout + r.stderr
+    (tmp_path / log_name).write_text(log)
+    assert r.returncode == 0, log[-6000:]
+    return log
+
+
+def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
+    import requests
+
+    cache = tmp_path / "cache"
+    os.environ["TITAN_RL_CACHE"] = str(cache)
+    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
+
+    model_dir = Path(tiny_rl_checkpoint())  # the recipe's checkpoint, built into the test's cache
+    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
+    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
+        srv.wait_ready()
+        _torchrun(tmp_path, cache, srv.base, 3, "train1.log")
+        run = tmp_path / "run"
+        recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs] == [1, 2, 3] and [r["version"] for r in recs] == [1, 2, 3]
+        for r in recs:
+            print({k: r[k] for k in ("step", "reward/mean", "reward/std", "response_length/mean", "loss",
+                                     "bit_wise/logprob_diff/abs_mean", "swap/latency_s")})
+            assert r["batch_invariant"] == 1
+            assert r["bit_wise/num_tokens"] > 0
+            assert r["bit_wise/logprob_diff/abs_mean"] == 0.0 and r["bit_wise/logprob_diff/max"] == 0.0, r
+            assert r["bit_wise/ratio_tokens_different"] == 0.0
+            assert r["staleness/max"] == 0 and r["rollout/dropped_stale"] == 0
+            assert r["swap/latency_s"] > 0
+        # every token carries the version of the weights that sampled it: step k trains on version k-1
+        rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+        for rec in rolls:
+            samples = [s for g in rec["groups"] for s in g["samples"]]
+            assert len(samples) == 4 * 8
+            for s in samples:
+                assert len(s["token_versions"]) == len(s["completion_ids"]) > 0
+                assert set(s["token_versions"]) == {rec["step"] - 1}
+        # the server swapped to every pushed version and holds the trainer's final weights bit for bit
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert requests.get(f"{srv.base}/titan/v1/weights/version", timeout=10).json()["version"] == 3
+        server_sums = requests.get(f"{srv.base}/titan/v1/weights/checksums", headers=auth, timeout=60).json()["checksums"]
+        final = json.loads((run / "final_checksums.json").read_text())
+        assert final["version"] == 3 and final["server_matches"] is True
+        assert server_sums == final["checksums"]
+        log = (tmp_path / "server.log").read_text()
+        assert TOKEN not in log and (tmp_path / "train1.log").read_text().count(TOKEN) == 0
+
+        # resume: the step-3 checkpoint restores weights, optimizer and the RL version; step 4 trains
+        # on version-3 rollouts and pushes version 4
+        log2 = _torchrun(tmp_path, cache, srv.base, 4, "train2.log")
+        assert "already serve version 3" in log2, log2[-3000:]
+        recs2 = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs2] == [1, 2, 3, 4] and recs2[-1]["version"] == 4
+        assert recs2[-1]["bit_wise/logprob_diff/max"] == 0.0
+        last = json.loads((run / "rollouts.jsonl").read_text().splitlines()[-1])
+        assert {v for g in last["groups"] for s in g["samples"] for v in s["token_versions"]} == {3}
+        final = json.loads((run / "final_checksums.json").read_text())
+        assert final["version"] == 4 and final["server_matches"] is True
+        assert requests.get(f"{srv.base}/titan/v1/weights/version", timeout=10).json()["version"] == 4

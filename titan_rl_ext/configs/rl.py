@@ -1,0 +1,138 @@
+"""RL recipes (``RLTrainer.Config``): run with
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=1 -m titan_rl_ext.train \
+        --module titan_rl_ext.configs --config rl_tiny_cpu [--training.steps 3 --rl.generator_urls http://...]
+
+Building a recipe never touches the network: ``rl_tiny_cpu`` writes its tiny checkpoint into
+``cache_dir()`` when missing; ``qwen3_5_9b_dapo_math`` only names paths (the checkpoint directory from
+``QWEN3_5_9B_DIR``, the data from ``DAPO_MATH_PATH``; both are read when training starts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from titan_rl_ext.configs import TINY_DATASET, cache_dir, register_tiny_dataset
+
+
+def tiny_rl_checkpoint() -> str:
+    """The tiny Qwen3.5 (VLM layout) checkpoint the CPU RL demo starts from (built once, cached)."""
+    from titan_rl_ext.tools.make_tiny import make_tiny
+
+    d = cache_dir() / "rl_tiny_qwen3_5"
+    if not (d / "config.json").exists() or not list(d.glob("*.safetensors")):
+        make_tiny("qwen3_5", d, seed=0, layout="vlm")
+    return str(d)
+
+
+def model_spec_from_hf(model_dir: str) -> Any:
+    """A torchtitan ``ModelSpec`` whose architecture is read from an HF checkpoint's config.json."""
+    from titan_rl_ext.models.common.titan_protocol import make_model_spec
+    from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES, architecture_of, config_from_hf, read_config
+
+    hf = read_config(model_dir)
+    family = SUPPORTED_ARCHITECTURES[architecture_of(hf)][0]
+    if family == "qwen3":
+        from titan_rl_ext.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
+    else:
+        from titan_rl_ext.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter as adapter
+    return make_model_spec(family, "hf:" + Path(model_dir).name, config_from_hf(hf), adapter)
+
+
+def _rl_trainer(model_spec: Any, hf_dir: str, rl: Any, *, steps: int, lr: float, warmup: int,
+                batch_invariant: bool, dump: str, checkpoint_interval: int) -> Any:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import DebugConfig, TrainingConfig
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    from titan_rl_ext.rl.trainer import RLTrainer
+
+    register_tiny_dataset()  # torchtitan builds a text dataloader; RL never reads it
+    model_spec.model.batch_invariant = batch_invariant
+    optimizer = default_adamw(lr=lr)
+    optimizer.implementation = "foreach"  # "fused" is CUDA-only
+    return RLTrainer.Config(
+        model_spec=model_spec,
+        loss=CrossEntropyLoss.Config(),
+        hf_assets_path=hf_dir,
+        dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_DATASET),
+        optimizer=optimizer,
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=warmup),
+        training=TrainingConfig(local_batch_size=1, seq_len=64, steps=steps, max_norm=1.0, disable_cuda_graphs=True),
+        metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
+        checkpoint=CheckpointManager.Config(enable=False, interval=checkpoint_interval, last_save_model_only=False),
+        debug=DebugConfig(seed=0),
+        dump_folder=dump,
+        rl=rl,
+    )
+
+
+def rl_tiny_cpu() -> Any:
+    """Tiny Qwen3.5 on CPU, synthetic single-digit sums, 4 prompts x G=8, off-policy window 2,
+    batch invariant on both sides (the spawned server starts with TITAN_BATCH_INVARIANT=1), 20 steps.
+    Spawns its own vLLM server unless ``--rl.generator_urls`` names one (then ``--rl.no-spawn-server``)."""
+    from titan_rl_ext.rl.losses import DAPOLoss
+    from titan_rl_ext.rl.trainer import RLConfig
+
+    hf_dir = tiny_rl_checkpoint()
+    rl = RLConfig(
+        spawn_server=True,
+        server_args=["--dtype", "float32", "--max-model-len", "512", "--seed", "0"],
+        model_dir=hf_dir,
+        task="synthetic_sum",
+        prompts_per_step=4,
+        group_size=8,
+        max_tokens=4,
+        temperature=1.0,
+        offpolicy=2,
+        num_producers=4,
+        loss=DAPOLoss.Config(),
+        batch_invariant_steps=1_000_000,  # the whole run
+        run_dir="",
+    )
+    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=20, lr=1e-3, warmup=2, batch_invariant=True,
+                       dump=str(cache_dir() / "outputs" / "rl_tiny_cpu"), checkpoint_interval=5)
+
+
+def qwen3_5_9b_dapo_math() -> Any:
+    """Qwen3.5-9B on DAPO-Math-17k: 8 prompts x 16 rollouts, off-policy window 12, DAPO loss,
+    eval every 10 steps (config only; needs GPUs, generators and the data).
+
+    Checkpoint: ``QWEN3_5_9B_DIR`` (default ``<cache>/Qwen3.5-9B``); generators: ``GENERATOR_URLS``
+    (comma-separated) or a spawned local server; data: ``DAPO_MATH_PATH`` (parquet/jsonl) or the hub."""
+    from titan_rl_ext.models.qwen3_5 import model_registry
+    from titan_rl_ext.rl.losses import DAPOLoss
+    from titan_rl_ext.rl.trainer import RLConfig
+
+    hf_dir = os.environ.get("QWEN3_5_9B_DIR", str(cache_dir() / "Qwen3.5-9B"))
+    urls = [u for u in os.environ.get("GENERATOR_URLS", "").split(",") if u]
+    rl = RLConfig(
+        generator_urls=urls,
+        spawn_server=not urls,
+        server_args=["--dtype", "bfloat16", "--max-model-len", "20480", "--enable-prefix-caching",
+                     "--mamba-cache-mode", "align"],
+        model_dir=hf_dir,
+        served_model_name="",
+        task="math",
+        dataset_path=os.environ.get("DAPO_MATH_PATH", ""),
+        prompts_per_step=8,
+        group_size=16,
+        max_tokens=16384,
+        temperature=1.0,
+        offpolicy=12,
+        num_producers=32,
+        loss=DAPOLoss.Config(eps_low=0.2, eps_high=0.28),
+        batch_invariant_steps=0,
+        eval_every=10,
+    )
+    # the flavor, not the checkpoint's config.json: building the recipe must work without the files
+    cfg = _rl_trainer(model_registry("qwen3_5-9b"), hf_dir, rl, steps=500, lr=1e-6, warmup=10, batch_invariant=False,
+                      dump=str(cache_dir() / "outputs" / "qwen3_5_9b_dapo_math"), checkpoint_interval=20)
+    cfg.training.dtype = "bfloat16"
+    cfg.checkpoint.enable = True
+    return cfg

@@ -1,0 +1,665 @@
+"""RL post-training on torchtitan's ``Trainer``: rollouts from vLLM (``--model-impl titan``) instead of
+the text dataloader, a policy-gradient loss from ``titan_rl_ext.rl.losses``, weights pushed back to
+the generator(s) after the optimizer step.
+
+    torchrun --standalone --nproc_per_node=1 -m titan_rl_ext.train --module titan_rl_ext.configs --config rl_tiny_cpu
+
+One ``train_step`` (torchtitan's ``train()`` drives the loop, the checkpointer and the profiler):
+
+1. take ``prompts_per_step`` groups of ``group_size`` rollouts from an ``OffPolicyWindow`` fed by
+   producer tasks on a background asyncio thread (``offpolicy=0``: producers only generate with the
+   weights being trained, i.e. synchronous on-policy RL; ``offpolicy=k``: at most k versions stale);
+2. pack them, recompute the trainer's logprobs without grad (``bit_wise/*`` metrics against the
+   generator's logprobs: exactly 0 under batch invariance on both sides);
+3. group advantages, loss (DAPO by default), backward, grad clip, optimizer + LR scheduler step;
+4. push the full titan state dict to every generator (``WeightPusher``) every ``push_every`` steps
+   (and at the last step), bump the version, log metrics (``RUN_DIR/metrics.jsonl``, per-sample
+   token versions in ``RUN_DIR/rollouts.jsonl``, and torchtitan's metrics processor).
+
+Versions: the weights after ``n`` optimizer steps are version ``n`` (``self.rl_version``; it is in
+``state_dict()`` so a resumed run continues it and re-pushes its weights to the generators first).
+
+Batch invariance (``batch_invariant_steps=N``): the trainer's kernels are batch invariant for steps
+1..N and normal afterwards. The generator's switch is the ``TITAN_BATCH_INVARIANT`` environment of
+the server *at start-up*: a spawned server gets ``TITAN_BATCH_INVARIANT=1`` when N > 0 and keeps it
+for the whole run (it is not restarted when the trainer switches off); an external server keeps
+whatever it was started with. So after step N the ``bit_wise/*`` metrics measure the gap between a
+batch-invariant generator and a normal trainer.
+
+Data parallelism (more than one rank): rank 0 generates, broadcasts the batch, every rank trains on
+its share of the groups, the loss is normalised by the all-reduced token count, and rank 0 pushes
+the gathered full state dict. Written for FSDP but only exercised with one rank so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import json
+import logging
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.trainer import Trainer
+
+from titan_rl_ext.rl.losses import DAPOLoss, DPPOLoss, GRPOLoss, PolicyLoss
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RLConfig", "RLTrainer", "load_prompts", "RL_STATE_KEY"]
+
+RL_STATE_KEY = "rl_version"
+ROLLOUTS_FILE = "rollouts.jsonl"
+FINAL_CHECKSUMS_FILE = "final_checksums.json"
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    generator_urls: list[str] = field(default_factory=list)
+    """Base URLs (``http://host:port``) of running generators started with ``TITAN_SWAP_TOKEN``."""
+    spawn_server: bool = False
+    """Start one local ``python -m vllm.entrypoints.openai.api_server --model <model_dir> --model-impl titan``
+    (with ``TITAN_SWAP_TOKEN`` and, when ``batch_invariant_steps > 0``, ``TITAN_BATCH_INVARIANT=1``)."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra arguments for the spawned server (e.g. ``--dtype float32 --max-model-len 512``)."""
+    server_boot_timeout_s: float = 600.0
+    swap_token_env: str = "TITAN_SWAP_TOKEN"
+    """Environment variable holding the generators' swap token (a spawned server gets a random one if unset)."""
+    model_dir: str = ""
+    """HF checkpoint the run starts from (the trainer loads it; the generators serve it)."""
+    served_model_name: str = ""
+    """``model`` field of completion requests; default: ``model_dir``."""
+    task: str = "synthetic_sum"
+    """``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed answers, e.g. DAPO-Math-17k)."""
+    dataset_path: str = ""
+    """``math``: local parquet/jsonl; empty = env ``DAPO_MATH_PATH``, else the hub dataset ``dataset_hub_id``."""
+    dataset_hub_id: str = "BytedTsinghua-SIA/DAPO-Math-17k"
+    prompts_per_step: int = 4
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    offpolicy: int = 0
+    """Bounded staleness window (policy versions); 0 = synchronous on-policy."""
+    num_producers: int = 4
+    loss: PolicyLoss.Config = field(default_factory=DAPOLoss.Config)
+    old_logprobs: str = "generator"
+    """Behaviour policy of the PPO ratio: ``generator`` (the sampling policy's logprobs, correct when
+    off-policy) or ``recompute`` (the trainer's no-grad recompute at step start)."""
+    normalize_adv_std: bool = True
+    push_every: int = 1
+    push_mode: str = "keep"
+    batch_invariant_steps: int = 0
+    """Batch-invariant kernels for the first N steps (see the module docstring for the server side)."""
+    run_dir: str = ""
+    """Metrics/rollout logs; empty = ``<dump_folder>/rl``."""
+    log_rollouts: bool = True
+    final_checksums: bool = True
+    """After the last step write the trainer's per-tensor checksums (and whether the first generator's match)."""
+    seed: int = 0
+    eval_every: int = 0
+    """Reserved for the math recipe's held-out evaluation (not implemented yet)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+
+
+def _synthetic_prompts(kind: str, seed: int) -> Iterator[Any]:
+    from titan_rl_ext.rl.rewards import SyntheticTask
+
+    task = SyntheticTask(kind=kind)  # type: ignore[arg-type]
+    for epoch in itertools.count():
+        yield from task.sample(256, seed=seed * 100003 + epoch)
+
+
+@dataclass(frozen=True)
+class MathItem:
+    prompt: str
+    answer: str
+
+
+def _math_rows(path: str, hub_id: str) -> list[dict[str, Any]]:
+    path = path or os.environ.get("DAPO_MATH_PATH", "")
+    if path:
+        p = Path(path)
+        if p.suffix in (".jsonl", ".json"):
+            return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        import pandas as pd
+
+        files = sorted(p.glob("**/*.parquet")) if p.is_dir() else [p]
+        return [r for f in files for r in pd.read_parquet(f).to_dict("records")]
+    from datasets import load_dataset  # the hub, when reachable
+
+    return list(load_dataset(hub_id, split="train"))
+
+
+def _math_item(row: dict[str, Any], tokenizer: Any) -> MathItem:
+    """DAPO-Math-17k rows: ``prompt`` = chat messages, ``reward_model.ground_truth`` = answer;
+    plain ``{"prompt"|"problem": str, "answer"|"solution": str}`` rows work too."""
+    prompt = row.get("prompt", row.get("problem"))
+    rm = row.get("reward_model") or {}
+    answer = rm.get("ground_truth") if isinstance(rm, dict) and rm.get("ground_truth") is not None else row.get("answer", row.get("solution"))
+    if not isinstance(prompt, str):
+        msgs = [dict(m) for m in list(prompt)]
+        prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return MathItem(str(prompt), str(answer))
+
+
+def load_prompts(rl: RLConfig, tokenizer: Any) -> Iterator[Any]:
+    """An endless, seeded stream of task items (``prompt``, ``answer``)."""
+    if rl.task in ("synthetic_sum", "synthetic_copy"):
+        return _synthetic_prompts(rl.task.removeprefix("synthetic_"), rl.seed)
+    if rl.task == "math":
+        import random
+
+        rows = _math_rows(rl.dataset_path, rl.dataset_hub_id)
+
+        def gen() -> Iterator[Any]:
+            for epoch in itertools.count():
+                order = list(range(len(rows)))
+                random.Random(rl.seed * 100003 + epoch).shuffle(order)
+                for i in order:
+                    yield _math_item(rows[i], tokenizer)
+
+        return gen()
+    raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math")
+
+
+def _scorer(task: str) -> Any:
+    from titan_rl_ext.rl.rewards import MathReward, SyntheticTask
+
+    return MathReward() if task == "math" else SyntheticTask.score
+
+
+# ---------------------------------------------------------------------------------------------
+# rollouts on a background event loop
+
+
+class RolloutService:
+    """Producer tasks filling an ``OffPolicyWindow`` on an asyncio loop in a daemon thread; the
+    (synchronous) trainer takes batches and publishes new generator versions through it."""
+
+    def __init__(self, rl: RLConfig, urls: list[str], model_name: str, tokenizer: Any, initial_version: int) -> None:
+        from titan_rl_ext.rl.rollout import SamplingConfig, SingleTurnEnv
+
+        self.rl = rl
+        self.urls = urls
+        self.model_name = model_name
+        extra = {"ignore_eos": True} if rl.ignore_eos else {}
+        self.sampling = SamplingConfig(temperature=rl.temperature, top_p=rl.top_p, max_tokens=rl.max_tokens, extra=extra)
+        self.make_env = functools.partial(SingleTurnEnv, tokenizer, _scorer(rl.task))
+        self.prompts = load_prompts(rl, tokenizer)
+        self.initial_version = initial_version
+        self._group_ids = itertools.count(initial_version * 1_000_000)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rl-rollouts", daemon=True)
+        self.thread.start()
+        self._call(self._setup())
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _setup(self) -> None:
+        from titan_rl_ext.rl.async_loop import OffPolicyWindow
+        from titan_rl_ext.rl.rollout import GeneratorClient
+
+        self.window = OffPolicyWindow(self.rl.offpolicy, self.rl.prompts_per_step, initial_version=self.initial_version)
+        self.clients = [GeneratorClient(u, self.model_name) for u in self.urls]
+        self.producers = [asyncio.ensure_future(self._produce(i)) for i in range(max(1, self.rl.num_producers))]
+
+    async def _produce(self, i: int) -> None:
+        from titan_rl_ext.rl.rollout import rollout_group
+
+        client = self.clients[i % len(self.clients)]
+        while True:
+            ticket = await self.window.reserve()
+            try:
+                prompt = next(self.prompts)
+                group = await rollout_group(client, self.make_env, prompt, self.rl.group_size, self.sampling,
+                                            group_id=next(self._group_ids), max_turns=1)
+            except BaseException:
+                self.window.cancel(ticket)
+                raise
+            self.window.put(ticket, group)
+
+    async def _take(self, version: int) -> Any:
+        take = asyncio.ensure_future(self.window.take(self.rl.prompts_per_step, version))
+        try:
+            while True:
+                for p in self.producers:
+                    if p.done() and not p.cancelled() and p.exception() is not None:
+                        raise RuntimeError("a rollout producer failed") from p.exception()
+                pending = [p for p in self.producers if not p.done()]
+                if not pending:
+                    raise RuntimeError("all rollout producers stopped")
+                done, _ = await asyncio.wait([take, *pending], return_when=asyncio.FIRST_COMPLETED)
+                if take in done:
+                    return take.result()
+        finally:
+            if not take.done():
+                take.cancel()
+
+    def take(self, version: int) -> Any:
+        return self._call(self._take(version))
+
+    def publish(self, version: int) -> None:
+        async def pub() -> None:
+            self.window.publish_generator_version(version)
+
+        self._call(pub())
+
+    def stats(self) -> dict[str, float]:
+        async def get() -> dict[str, float]:
+            w = self.window
+            return {"rollout/dropped_stale_total": w.dropped_stale_total, "rollout/buffered": w.buffered,
+                    "rollout/in_flight": w.in_flight, "rollout/producer_wait_s_total": w.producer_wait_s}
+
+        return self._call(get())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for p in self.producers:
+                p.cancel()
+            await asyncio.gather(*self.producers, return_exceptions=True)
+            for c in self.clients:
+                await c.aclose()
+
+        try:
+            self._call(stop(), timeout=30)
+        except Exception:  # noqa: BLE001 -- closing anyway
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# a spawned generator
+
+
+class SpawnedServer:
+    def __init__(self, model_dir: str, token: str, batch_invariant: bool, extra_args: list[str], log_path: Path,
+                 boot_timeout_s: float) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--model-impl", "titan",
+               "--host", "127.0.0.1", "--port", str(port), *extra_args]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                                  "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+        env["TITAN_SWAP_TOKEN"] = token
+        env["TITAN_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
+        if not torch.cuda.is_available():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with log_path.open("w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        logger.info("spawned generator pid %d at %s (log %s)", self.proc.pid, self.base, log_path)
+        deadline = time.time() + boot_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"spawned vLLM server exited ({self.proc.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise TimeoutError(f"spawned vLLM server not ready in {boot_timeout_s} s")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+
+
+def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) titan state dict; every rank must call it under FSDP."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+
+
+class RLTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        rl: RLConfig = field(default_factory=RLConfig)
+
+    config: Config
+
+    def __init__(self, config: Config) -> None:
+        rl = config.rl
+        if not rl.model_dir:
+            raise ValueError("rl.model_dir (the HF checkpoint the run starts from) is required")
+        if rl.push_every < 1 or rl.push_every - 1 > rl.offpolicy:
+            # the window admits groups only against pushed weights: lagging more than offpolicy deadlocks
+            raise ValueError(f"need 1 <= push_every <= offpolicy + 1, got push_every={rl.push_every}, offpolicy={rl.offpolicy}")
+        if rl.old_logprobs not in ("generator", "recompute"):
+            raise ValueError(f"rl.old_logprobs must be 'generator' or 'recompute', got {rl.old_logprobs!r}")
+        if not rl.generator_urls and not rl.spawn_server:
+            raise ValueError("give rl.generator_urls or set rl.spawn_server")
+        super().__init__(config)
+        self.rl_version = 0
+        self.rl_loss = rl.loss.build()
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.run_dir = Path(rl.run_dir or Path(config.dump_folder) / "rl")
+        self._load_hf_weights(rl.model_dir)
+        self._server: SpawnedServer | None = None
+        self._service: RolloutService | None = None
+        self._pusher: Any = None
+        self._mlog: Any = None
+        self._started = False
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), RL_STATE_KEY: self.rl_version}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.rl_version = int(state_dict.get(RL_STATE_KEY, self.step))
+
+    # -- set-up --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _load_hf_weights(self, model_dir: str) -> None:
+        from titan_rl_ext.models.hf import adapter_for, read_config, read_safetensors
+
+        model = self.model_parts[0]
+        arch = self.model_config.arch  # type: ignore[attr-defined]
+        sd = adapter_for(read_config(model_dir), arch).from_hf(read_safetensors(model_dir))
+        if self.world > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+        else:
+            dtype = next(model.parameters()).dtype
+            model.load_state_dict({k: v.to(dtype) if v.is_floating_point() and k != "rope.inv_freq" else v
+                                   for k, v in sd.items()}, strict=True)
+        logger.info("RL: loaded initial weights from %s", model_dir)
+
+    def _start(self) -> None:
+        """After the checkpoint load (``train()`` loads before the first step): generators, rollouts."""
+        rl = self.config.rl
+        self._started = True
+        if self.rank != 0:
+            return
+        from transformers import AutoTokenizer
+
+        from titan_rl_ext.rl.metrics import MetricsLogger
+        from titan_rl_ext.rl.weight_sync import WeightPusher
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        token = os.environ.get(rl.swap_token_env, "")
+        urls = list(rl.generator_urls)
+        if rl.spawn_server:
+            token = token or secrets.token_hex(16)
+            self._server = SpawnedServer(rl.model_dir, token, rl.batch_invariant_steps > 0, list(rl.server_args),
+                                         self.run_dir / "server.log", rl.server_boot_timeout_s)
+            urls.append(self._server.base)
+        if not token:
+            raise ValueError(f"set {rl.swap_token_env} to the generators' swap token")
+        self._pusher = WeightPusher(urls, token)
+        self._mlog = MetricsLogger(self.run_dir, config={"rl": _asdict(rl)})
+        # a resumed run: the generators still serve the checkpoint the run started from
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        server_v = max(self._server_version(u) for u in urls)
+        if self.rl_version > 0 or server_v > self.rl_version:
+            from titan_rl_ext.rl.weight_sync import checksum
+
+            ours = checksum(_full_state_dict(self.model_parts[0]))
+            if server_v == self.rl_version and all(self._pusher.checksums(u) == ours for u in urls):
+                logger.info("RL: generators already serve version %d", server_v)
+            else:
+                if server_v >= self.rl_version:
+                    logger.warning("RL: generator at version %d >= trainer's %d with other weights; continuing from %d",
+                                   server_v, self.rl_version, server_v + 1)
+                    self.rl_version = server_v + 1
+                self._push(self.rl_version)
+        tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
+        self._service = RolloutService(rl, urls, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version)
+
+    @staticmethod
+    def _server_version(url: str) -> int:
+        import requests
+
+        r = requests.get(f"{url.rstrip('/')}/titan/v1/weights/version", timeout=30)
+        if r.status_code == 404:
+            raise RuntimeError(f"{url} has no weight-swap endpoint: start it with TITAN_SWAP_TOKEN set")
+        r.raise_for_status()
+        return int(r.json()["version"])
+
+    def _push(self, version: int) -> float:
+        """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time."""
+        t0 = time.perf_counter()
+        sd = _full_state_dict(self.model_parts[0])
+        if self.rank == 0:
+            self._pusher.push(sd, version, mode=self.config.rl.push_mode)
+        return time.perf_counter() - t0
+
+    # -- the step ------------------------------------------------------------------------------
+    def _broadcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def train_step(self, data_iterator: Any) -> None:  # noqa: C901 -- one readable sequence
+        from titan_rl_ext.kernels.batch_invariant import set_batch_invariant
+        from titan_rl_ext.models.common.batch import SeqBatch
+        from titan_rl_ext.rl.advantages import broadcast_to_tokens, group_advantages, zero_variance_groups
+        from titan_rl_ext.rl.logprobs import token_logprobs
+        from titan_rl_ext.rl.metrics import bit_wise_metrics, loss_metrics, rollout_metrics
+        from titan_rl_ext.rl.rollout import pack_samples
+
+        del data_iterator  # the text dataloader is built by torchtitan but never read
+        rl = self.config.rl
+        if not self._started:
+            self._start()
+            self.rl_version = self._broadcast(self.rl_version)
+        bi = self.step <= rl.batch_invariant_steps
+        set_batch_invariant(bi)
+        t_start = time.perf_counter()
+
+        # 1. rollouts
+        batch = self._service.take(self.rl_version) if self.rank == 0 else None
+        t_taken = time.perf_counter()
+        payload = None
+        if self.rank == 0:
+            payload = ([g.samples for g in batch.groups], list(batch.staleness), batch.dropped_stale,
+                       sum(g.mixed_versions for g in batch.groups))
+        groups, staleness, dropped, mixed = self._broadcast(payload)
+        all_samples = [s for g in groups for s in g]
+        mine = [s for i, g in enumerate(groups) if i % self.world == self.rank for s in g]
+        if not mine:
+            raise ValueError(f"prompts_per_step={len(groups)} leaves rank {self.rank} without groups")
+
+        # 2. pack; trainer recompute without grad (bit-wise parity + optional behaviour policy)
+        model = self.model_parts[0]
+        packed = pack_samples(mine, device=self.device)
+        seqs = SeqBatch.from_lengths(packed.lengths, device=self.device)
+        with torch.no_grad():
+            lp_re_T = token_logprobs(model, packed.tokens_T, seqs)
+        # parity is defined for tokens sampled with the weights being trained (older tokens differ
+        # because the policy moved): bit_wise/* over those, bit_wise_all/* over every loss token
+        version_T = torch.tensor([v for s in mine for v in [-1] * len(s.prompt_ids) + list(s.token_versions)],
+                                 device=self.device)
+        fresh_T = packed.loss_mask_T & (version_T == self.rl_version)
+        bw = bit_wise_metrics(packed.gen_logprobs_T, lp_re_T, fresh_T)
+        bw.update({k.replace("bit_wise/", "bit_wise_all/"): v
+                   for k, v in bit_wise_metrics(packed.gen_logprobs_T, lp_re_T, packed.loss_mask_T).items()})
+        bw["bit_wise/num_tokens"] = int(fresh_T.sum())
+        if bw["bit_wise/num_tokens"] == 0:  # no fresh tokens (a stale batch): undefined, not 0
+            bw.update({k: float("nan") for k in bw if k.startswith("bit_wise/logprob_diff") or k == "bit_wise/ratio_tokens_different"})
+
+        # 3. advantages (over whole groups: a rank holds complete groups), loss, backward, step
+        adv_N = group_advantages(packed.rewards_N, group_ids_N=packed.group_ids_N, normalize_std=rl.normalize_adv_std)
+        adv_T = broadcast_to_tokens(adv_N, lengths=packed.lengths, mask_T=packed.loss_mask_T)
+        lp_old_T = packed.gen_logprobs_T if rl.old_logprobs == "generator" else lp_re_T
+        local_tokens = packed.loss_mask_T.sum()
+        global_tokens = local_tokens
+        if self.world > 1:
+            global_tokens = local_tokens.clone()
+            torch.distributed.all_reduce(global_tokens)
+        self.optimizers.zero_grad(set_to_none=True)
+        lp_new_T = token_logprobs(model, packed.tokens_T, seqs)
+        kwargs: dict[str, Any] = {"cu_seqlens": seqs.cu_seqlens, "lp_gen_T": packed.gen_logprobs_T}
+        if self.rl_loss.config.aggregation == "token_mean":
+            kwargs["num_global_valid_tokens"] = global_tokens
+        elif self.world > 1:
+            kwargs["num_global_seqs"] = len(all_samples)
+        loss, lmetrics = self.rl_loss(lp_new_T, lp_old_T, adv_T, packed.loss_mask_T, **kwargs)
+        # partial sums over ranks; FSDP averages gradients, so scale back to a sum
+        (loss * self.world).backward()
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        lr_metrics = self.lr_schedulers.get_metrics()
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        self.rl_version += 1
+        t_trained = time.perf_counter()
+
+        # 4. push
+        last = self.step >= self.config.training.steps
+        swap_s = float("nan")
+        if self.step % rl.push_every == 0 or last:
+            swap_s = self._push(self.rl_version)
+            if self.rank == 0:
+                self._service.publish(self.rl_version)
+        t_end = time.perf_counter()
+
+        # 5. metrics
+        loss_v = float(loss.detach())
+        if self.world > 1:
+            t = torch.tensor([loss_v], device=self.device)
+            torch.distributed.all_reduce(t)
+            loss_v = float(t)
+        ntok = sum(len(s.prompt_ids) + len(s.completion_ids) for s in all_samples)
+        rewards_N = torch.tensor([s.reward for s in all_samples])
+        gids_N = torch.tensor([s.group_id for s in all_samples])
+        versions = [v for s in all_samples for v in s.policy_versions]
+        metrics: dict[str, Any] = {
+            "version": self.rl_version,
+            "batch_invariant": int(bi),
+            "loss": loss_v,
+            "grad_norm": float(grad_norm),
+            **bw,
+            **rollout_metrics(groups),
+            **loss_metrics(lmetrics),
+            "reward/zero_variance_group_frac": float(zero_variance_groups(rewards_N, group_ids_N=gids_N).float().mean()),
+            "staleness/mean": statistics.fmean(staleness),
+            "staleness/max": max(staleness),
+            "staleness/hist": list(staleness),
+            "rollout/dropped_stale": dropped,
+            "rollout/mixed_version_groups": mixed / len(groups),
+            "rollout/token_version_min": min(versions, default=-1),
+            "rollout/token_version_max": max(versions, default=-1),
+            "swap/latency_s": swap_s,
+            "perf/trainer/wait_s": t_taken - t_start,
+            "perf/trainer/step_s": t_trained - t_taken,
+            "perf/trainer/tokens_per_second_full_step": ntok / max(t_end - t_start, 1e-9),
+            "perf/trainer/tokens_per_second_train": ntok / max(t_trained - t_taken, 1e-9),
+            **{f"lr/{k}": float(v) for k, v in lr_metrics.items()},
+        }
+        if self.rank == 0:
+            metrics.update(self._service.stats())
+            self._mlog.log(self.step, metrics)
+            if rl.log_rollouts:
+                self._log_rollouts(groups, staleness)
+            logger.info(
+                "RL step %d v%d: reward %.3f loss %.4f |dlp| fresh %.3g (%d tok) all %.3g tok/s %.1f swap %.2fs", self.step,
+                self.rl_version, metrics.get("reward/mean", float("nan")), loss_v, bw["bit_wise/logprob_diff/abs_mean"],
+                bw["bit_wise/num_tokens"], bw["bit_wise_all/logprob_diff/abs_mean"],
+                metrics["perf/trainer/tokens_per_second_full_step"], swap_s,
+            )
+        # torchtitan's console/TensorBoard logger
+        if self.metrics_processor.should_log(self.step):
+            self.metrics_processor.ntokens_since_last_log += ntok
+            self.metrics_processor.data_loading_times.append(t_taken - t_start)
+            scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k not in ("loss", "grad_norm")}
+            self.metrics_processor.log(self.step, loss_v, loss_v, float(grad_norm), extra_metrics=scalars)
+        if last and rl.final_checksums:
+            self._write_final_checksums()
+
+    def _log_rollouts(self, groups: list[list[Any]], staleness: list[int]) -> None:
+        rec = {"step": self.step, "version": self.rl_version, "groups": [
+            {"staleness": st, "samples": [
+                {"group_id": s.group_id, "reward": s.reward, "prompt_len": len(s.prompt_ids),
+                 "completion_ids": s.completion_ids, "token_versions": s.token_versions, "finish_reason": s.finish_reason}
+                for s in g]} for g, st in zip(groups, staleness)]}
+        with (self.run_dir / ROLLOUTS_FILE).open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def _write_final_checksums(self) -> None:
+        from titan_rl_ext.rl.weight_sync import checksum
+
+        sd = _full_state_dict(self.model_parts[0])
+        if self.rank != 0:
+            return
+        ours = checksum(sd)
+        out: dict[str, Any] = {"step": self.step, "version": self.rl_version, "checksums": ours}
+        try:
+            theirs = self._pusher.checksums()
+            out["server_matches"] = theirs == ours
+            out["server_mismatched"] = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))[:50]
+        except Exception as e:  # noqa: BLE001 -- recorded, not fatal
+            out["server_error"] = f"{type(e).__name__}: {e}"
+        (self.run_dir / FINAL_CHECKSUMS_FILE).write_text(json.dumps(out, indent=1))
+
+    def close(self) -> None:
+        if getattr(self, "_service", None) is not None:
+            self._service.close()
+            self._service = None
+        if getattr(self, "_server", None) is not None:
+            self._server.close()
+            self._server = None
+        if getattr(self, "_mlog", None) is not None:
+            self._mlog.close()
+            self._mlog = None
+        super().close()
+
+
+def _asdict(rl: RLConfig) -> dict[str, Any]:
+    from dataclasses import fields
+
+    out = {}
+    for f in fields(rl):
+        v = getattr(rl, f.name)
+        out[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
+    return out
+
+
+# the loss configs the CLI may name (kept importable from here)
+LOSSES = {"dapo": DAPOLoss, "grpo": GRPOLoss, "dppo": DPPOLoss}

@@ -333,3 +333,24 @@ def test_chat_completion_carries_version(server: Server) -> None:
 
 def test_token_never_logged(server: Server) -> None:
     assert TOKEN not in server.log.read_text()
+
+
+def test_batch_invariance_switch_on_the_generator(server: Server) -> None:
+    """BI as a debug switch: auth required, flips the engine's kernels, the server keeps serving."""
+    import requests
+
+    url = f"{server.base}/titan/v1/batch_invariant"
+    assert requests.post(url, params={"enabled": "1"}, timeout=30).status_code == 401
+    assert requests.post(url, params={"enabled": "maybe"}, headers=_auth(), timeout=30).status_code == 400
+    prompt = {"model": server.model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0.0,
+              "logprobs": 0, "ignore_eos": True}
+    outs = {}
+    for enabled in (True, False, True):
+        server.pusher.set_batch_invariant(enabled)
+        r = requests.post(f"{server.base}/v1/completions", json=prompt, timeout=120)
+        assert r.status_code == 200, r.text
+        outs.setdefault(enabled, []).append(r.json()["choices"][0]["logprobs"]["token_logprobs"])
+    assert outs[True][0] == outs[True][1]  # BI results reproduce exactly after switching back
+    # and the switch really changes the kernels: other summation orders, other low bits
+    assert outs[True][0] != outs[False][0], (outs[True][0], outs[False][0])
+    server.pusher.set_batch_invariant(False)

@@ -45,6 +45,7 @@ logger = logging.getLogger("vllm.titan_plugin")
 
 TOKEN_ENV = "TITAN_SWAP_TOKEN"
 ROUTE = "/titan/v1/weights"
+BI_ROUTE = "/titan/v1/batch_invariant"
 VERSION_HEADER = "x-titan-weight-version"
 VERSION_FIELD = "titan_weight_version"
 SALT_PREFIX = "titan-v"
@@ -75,6 +76,7 @@ def install() -> None:
         "titan_weight_spec": worker_weight_spec,
         "titan_load_weights": worker_load_weights,
         "titan_weight_checksums": worker_weight_checksums,
+        "titan_set_batch_invariant": worker_set_batch_invariant,
     })
     compat.wrap_api_server_build_app(_attach, _MARK)
 
@@ -130,6 +132,14 @@ def worker_weight_checksums(worker: Any) -> dict[str, str]:
     from titan_rl_ext.rl.weight_sync import tensor_checksum
 
     return {name: tensor_checksum(p) for name, p in _titan_params(worker).items()}
+
+
+def worker_set_batch_invariant(worker: Any, enabled: bool) -> bool:
+    """The batch-invariance switch inside a worker (the model's kernels read it on every call)."""
+    from titan_rl_ext.kernels.batch_invariant import is_batch_invariant, set_batch_invariant
+
+    set_batch_invariant(bool(enabled))
+    return is_batch_invariant()
 
 
 # -- validation (API-server process, off the event loop) -------------------------------------------------
@@ -202,6 +212,10 @@ class PushResponse(BaseModel):
     bytes: int
     swap_seconds: float
     validate_seconds: float
+
+
+class BatchInvariantResponse(BaseModel):
+    batch_invariant: bool
 
 
 class VersionResponse(BaseModel):
@@ -306,6 +320,27 @@ def _make_router(state: SwapState) -> Any:
         async with state.lock:  # not in the middle of a swap
             sums = (await compat.worker_rpc(engine, "titan_weight_checksums"))[0]
             return ChecksumsResponse(version=state.version, checksums=sums)
+
+    @router.post(BI_ROUTE, response_model=BatchInvariantResponse)
+    async def set_batch_invariant(request: Request) -> Any:
+        """BI as a debug switch, flipped together with the trainer. The engine is paused with its caches
+        cleared: BI attention keeps keys/values in its own paged layout, which the backend's kernels must
+        not read (and vice versa), so in-flight requests are recomputed under the new setting."""
+        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+            return _error(*err)
+        raw = request.query_params.get("enabled")
+        if raw not in ("0", "1", "true", "false"):
+            return _error(400, "query parameter 'enabled' must be 0/1/true/false")
+        enabled = raw in ("1", "true")
+        engine = compat.engine_client_of(request.app)
+        async with state.lock:
+            await compat.pause_generation(engine, keep_cache=False)
+            try:
+                now = await compat.worker_rpc(engine, "titan_set_batch_invariant", enabled)
+            finally:
+                await compat.resume_generation(engine)
+        logger.info("titan batch invariance %s", "on" if enabled else "off")
+        return BatchInvariantResponse(batch_invariant=bool(all(now)))
 
     @router.post(ROUTE, response_model=PushResponse)
     async def push_weights(request: Request) -> Any:

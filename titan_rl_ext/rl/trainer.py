@@ -19,12 +19,11 @@ One ``train_step`` (torchtitan's ``train()`` drives the loop, the checkpointer a
 Versions: the weights after ``n`` optimizer steps are version ``n`` (``self.rl_version``; it is in
 ``state_dict()`` so a resumed run continues it and re-pushes its weights to the generators first).
 
-Batch invariance (``batch_invariant_steps=N``): the trainer's kernels are batch invariant for steps
-1..N and normal afterwards. The generator's switch is the ``TITAN_BATCH_INVARIANT`` environment of
-the server *at start-up*: a spawned server gets ``TITAN_BATCH_INVARIANT=1`` when N > 0 and keeps it
-for the whole run (it is not restarted when the trainer switches off); an external server keeps
-whatever it was started with. So after step N the ``bit_wise/*`` metrics measure the gap between a
-batch-invariant generator and a normal trainer.
+Batch invariance as a debug switch (``batch_invariant_steps=N``): steps 1..N run batch invariant on
+both sides, later steps run normal kernels. The trainer flips its own switch and, whenever the
+setting changes, the generators' (``POST /titan/v1/batch_invariant``, which recomputes in-flight
+requests under the new setting). Groups already buffered by the off-policy window were generated
+under the setting of their time, so with ``offpolicy > 0`` the first steps after a flip mix both.
 
 Data parallelism (more than one rank): rank 0 generates, broadcasts the batch, every rank trains on
 its share of the groups, the loss is normalised by the all-reduced token count, and rank 0 pushes
@@ -377,6 +376,7 @@ class RLTrainer(Trainer):
         self._server: SpawnedServer | None = None
         self._service: RolloutService | None = None
         self._pusher: Any = None
+        self._generator_bi: bool | None = None  # last setting sent to the generators
         self._mlog: Any = None
         self._started = False
 
@@ -488,6 +488,9 @@ class RLTrainer(Trainer):
             self.rl_version = self._broadcast(self.rl_version)
         bi = self.step <= rl.batch_invariant_steps
         set_batch_invariant(bi)
+        if self.rank == 0 and bi != self._generator_bi:  # both sides switch together
+            self._pusher.set_batch_invariant(bi)
+            self._generator_bi = bi
         t_start = time.perf_counter()
 
         # 1. rollouts

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 WEIGHTS_ROUTE = "/titan/v1/weights"
+BI_ROUTE = "/titan/v1/batch_invariant"
 
 
 class WeightPushError(RuntimeError):
@@ -79,6 +80,17 @@ class WeightPusher:
             raise WeightPushError(f"weight push v{version} rejected by {len(failed)}/{len(results)} server(s): {lines}",
                                   results)
         return [r["response"] for r in results]
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Flip batch invariance on every generator (BI as a debug switch; the trainer flips its own)."""
+        import requests
+
+        for url in self.urls:
+            r = requests.post(f"{url}{BI_ROUTE}", params={"enabled": "1" if enabled else "0"},
+                              headers=self._headers, timeout=self.timeout_s)
+            if r.status_code != 200 or r.json().get("batch_invariant") is not bool(enabled):
+                raise WeightPushError(f"{url}: switching batch invariance {'on' if enabled else 'off'} failed: "
+                                      f"HTTP {r.status_code} {r.text[:500]}", [])
 
     def checksums(self, url: str | None = None) -> dict[str, str]:
         """The live model's per-parameter checksums on one server (the first by default)."""

@@ -450,7 +450,7 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """(HTTP status, JSON body), error responses included."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=180) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

@@ -40,11 +40,8 @@ import logging
 import os
 import secrets
 import statistics
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,57 +284,6 @@ class RolloutService:
 
 
 # ---------------------------------------------------------------------------------------------
-# a spawned generator
-
-
-class SpawnedServer:
-    def __init__(self, model_dir: str, token: str, batch_invariant: bool, extra_args: list[str], log_path: Path,
-                 boot_timeout_s: float) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--model-impl", "titan",
-               "--host", "127.0.0.1", "--port", str(port), *extra_args]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                                  "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-        env["TITAN_SWAP_TOKEN"] = token
-        env["TITAN_BATCH_INVARIANT"] = "1" if batch_invariant else "0"
-        if not torch.cuda.is_available():
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        with log_path.open("w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        logger.info("spawned generator pid %d at %s (log %s)", self.proc.pid, self.base, log_path)
-        deadline = time.time() + boot_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"spawned vLLM server exited ({self.proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.time() > deadline:
-                self.close()
-                raise TimeoutError(f"spawned vLLM server not ready in {boot_timeout_s} s")
-            time.sleep(0.5)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-# ---------------------------------------------------------------------------------------------
 # the trainer
 
 
@@ -373,7 +319,7 @@ class RLTrainer(Trainer):
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.run_dir = Path(rl.run_dir or Path(config.dump_folder) / "rl")
         self._load_hf_weights(rl.model_dir)
-        self._server: SpawnedServer | None = None
+        self._server: Any = None  # GeneratorServer when spawned
         self._service: RolloutService | None = None
         self._pusher: Any = None
         self._generator_bi: bool | None = None  # last setting sent to the generators
@@ -422,8 +368,11 @@ class RLTrainer(Trainer):
         urls = list(rl.generator_urls)
         if rl.spawn_server:
             token = token or secrets.token_hex(16)
-            self._server = SpawnedServer(rl.model_dir, token, rl.batch_invariant_steps > 0, list(rl.server_args),
-                                         self.run_dir / "server.log", rl.server_boot_timeout_s)
+            from titan_rl_ext.rl.generator_server import GeneratorServer
+
+            env = {"TITAN_SWAP_TOKEN": token, "TITAN_BATCH_INVARIANT": "1" if rl.batch_invariant_steps > 0 else "0"}
+            self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env)
+            self._server.wait_ready(rl.server_boot_timeout_s)
             urls.append(self._server.base)
         if not token:
             raise ValueError(f"set {rl.swap_token_env} to the generators' swap token")

@@ -1,0 +1,86 @@
+"""A local vLLM OpenAI server running ``--model-impl titan``, started the way a user starts it.
+
+Used by the RL trainer when it spawns its own generator and by the tests. The child gets a clean
+environment: torchrun's rank variables are dropped (vLLM would otherwise think it is part of the
+trainer's process group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--model-impl", "titan", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+
+
+def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # ignored on GPU builds
+    env.update(extra or {})
+    return env
+
+
+class GeneratorServer:
+    """Starts on construction; ``wait_ready()`` before use (a boot takes ~25 s on CPU); ``close()`` stops it."""
+
+    def __init__(self, model_dir: str | Path, log_path: Path, extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("w") as log:
+            self.proc = subprocess.Popen(server_cmd(model_dir, self.port, extra_args), stdout=log,
+                                         stderr=subprocess.STDOUT, env=server_env(env), start_new_session=True)
+        logger.info("vLLM server pid %d at %s (log %s)", self.proc.pid, self.base, log_path)
+
+    def wait_ready(self, timeout_s: float = 240) -> None:
+        deadline = time.time() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise TimeoutError(f"vLLM server not ready in {timeout_s} s (log {self.log_path})")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> GeneratorServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -136,3 +136,47 @@ def qwen3_5_9b_dapo_math() -> Any:
     cfg.training.dtype = "bfloat16"
     cfg.checkpoint.enable = True
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# the README demo: a warmed-up tiny model whose reward RL visibly raises
+
+DEMO_TASK = "copy"
+DEMO_WARMUP_TARGET = 0.2
+
+
+def demo_rl_checkpoint(verbose: bool = True) -> str:
+    """``tiny_rl_checkpoint()`` after a short supervised warm-up on ``SyntheticTask(kind="copy")``
+    (``titan_rl_ext.rl.warmup``) until it samples the right answer ~20 % of the time (built once, cached)."""
+    from titan_rl_ext.rl.warmup import warmup
+
+    d = cache_dir() / f"rl_demo_qwen3_5_{DEMO_TASK}_{int(DEMO_WARMUP_TARGET * 100)}"
+    if not (d / "warmup.json").exists():
+        warmup(tiny_rl_checkpoint(), d, kind=DEMO_TASK, target=DEMO_WARMUP_TARGET, verbose=verbose)
+    return str(d)
+
+
+def rl_demo_cpu() -> Any:
+    """The README demo: the warmed-up tiny Qwen3.5 (``demo_rl_checkpoint``) on CPU, ``synthetic_copy``,
+    8 prompts x G=8, off-policy window 2, batch invariant on both sides for the whole run, 40 steps, lr 2e-3."""
+    from titan_rl_ext.rl.losses import DAPOLoss
+    from titan_rl_ext.rl.trainer import RLConfig
+
+    hf_dir = demo_rl_checkpoint()
+    rl = RLConfig(
+        spawn_server=True,
+        server_args=["--dtype", "float32", "--max-model-len", "512", "--seed", "0"],
+        model_dir=hf_dir,
+        task=f"synthetic_{DEMO_TASK}",
+        prompts_per_step=8,
+        group_size=8,
+        max_tokens=4,
+        temperature=1.0,
+        offpolicy=2,
+        num_producers=8,
+        loss=DAPOLoss.Config(),
+        batch_invariant_steps=1_000_000,
+        run_dir="",
+    )
+    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=40, lr=2e-3, warmup=2, batch_invariant=True,
+                       dump=str(cache_dir() / "outputs" / "rl_demo_cpu"), checkpoint_interval=10)

@@ -34,7 +34,7 @@ def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str)
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_tiny_cpu",
            "--training.steps", str(steps), "--rl.no-spawn-server", "--rl.generator-urls", base,
            "--rl.offpolicy", "0", "--rl.run-dir", str(tmp_path / "run"), "--dump-folder", str(tmp_path / "dump"),
-           "--checkpoint.enable", "--checkpoint.interval", "1"]
+           "--checkpoint.enable", "--checkpoint.interval", "1", "--rl.eval-every", "2", "--rl.eval-items", "16"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     log = r.stdout + r.stderr
     (tmp_path / log_name).write_text(log)
@@ -66,6 +66,10 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
             assert r["bit_wise/ratio_tokens_different"] == 0.0
             assert r["staleness/max"] == 0 and r["rollout/dropped_stale"] == 0
             assert r["swap/latency_s"] > 0
+            # held-out greedy evaluation every 2 steps and at the last step
+            assert ("eval/reward_mean" in r) == (r["step"] in (2, 3)), r
+            if "eval/reward_mean" in r:
+                assert r["eval/items"] == 16 and 0.0 <= r["eval/reward_mean"] <= 1.0
         # every token carries the version of the weights that sampled it: step k trains on version k-1
         rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
         for rec in rolls:

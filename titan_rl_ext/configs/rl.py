@@ -128,7 +128,9 @@ def qwen3_5_9b_dapo_math() -> Any:
         num_producers=32,
         loss=DAPOLoss.Config(eps_low=0.2, eps_high=0.28),
         batch_invariant_steps=0,
-        eval_every=10,
+        eval_every=10,  # AIME-style held-out set: jsonl/parquet of {"problem"/"prompt", "answer"}
+        eval_path=os.environ.get("AIME_EVAL_PATH", ""),
+        eval_items=64,
     )
     # the flavor, not the checkpoint's config.json: building the recipe must work without the files
     cfg = _rl_trainer(model_registry("qwen3_5-9b"), hf_dir, rl, steps=500, lr=1e-6, warmup=10, batch_invariant=False,
@@ -176,6 +178,8 @@ def rl_demo_cpu() -> Any:
         num_producers=8,
         loss=DAPOLoss.Config(),
         batch_invariant_steps=1_000_000,
+        eval_every=10,
+        eval_items=64,
         run_dir="",
     )
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=40, lr=2e-3, warmup=2, batch_invariant=True,

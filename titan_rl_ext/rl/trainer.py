@@ -108,7 +108,12 @@ class RLConfig:
     """After the last step write the trainer's per-tensor checksums (and whether the first generator's match)."""
     seed: int = 0
     eval_every: int = 0
-    """Reserved for the math recipe's held-out evaluation (not implemented yet)."""
+    """Every N steps (0: never), after the push: one greedy completion per held-out item, scored by the
+    task's reward, logged as ``eval/reward_mean``."""
+    eval_items: int = 64
+    eval_path: str = ""
+    """Held-out set for ``task="math"`` (jsonl/parquet, e.g. AIME problems); synthetic tasks draw a fixed
+    set from a seed the training stream never uses."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +179,22 @@ def load_prompts(rl: RLConfig, tokenizer: Any) -> Iterator[Any]:
 
         return gen()
     raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math")
+
+
+_EVAL_SEED = 2_147_483_647  # training streams use seed * 100003 + epoch: never this
+
+
+def load_eval_items(rl: RLConfig, tokenizer: Any) -> list[Any]:
+    """The fixed held-out evaluation set (``prompt``, ``answer``)."""
+    if rl.task in ("synthetic_sum", "synthetic_copy"):
+        from titan_rl_ext.rl.rewards import SyntheticTask
+
+        return list(SyntheticTask(kind=rl.task.removeprefix("synthetic_")).sample(rl.eval_items, seed=_EVAL_SEED))  # type: ignore[arg-type]
+    if rl.task == "math":
+        if not rl.eval_path:
+            raise ValueError("task='math' with eval_every > 0 needs rl.eval_path (a held-out jsonl/parquet set)")
+        return [_math_item(r, tokenizer) for r in _math_rows(rl.eval_path, "")[: rl.eval_items]]
+    raise ValueError(f"unknown task {rl.task!r}")
 
 
 def _scorer(task: str) -> Any:
@@ -259,6 +280,22 @@ class RolloutService:
 
         self._call(pub())
 
+    def evaluate(self, items: list[Any], max_tokens: int) -> dict[str, float]:
+        """Greedy completion of every item on the current generator weights; mean task reward."""
+        from titan_rl_ext.rl.rollout import SamplingConfig, rollout_group
+
+        greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=max_tokens, extra=dict(self.sampling.extra))
+
+        async def run() -> list[float]:
+            groups = await asyncio.gather(*(
+                rollout_group(self.clients[i % len(self.clients)], self.make_env, item, 1, greedy, group_id=-1, max_turns=1)
+                for i, item in enumerate(items)
+            ))
+            return [g[0].reward for g in groups]
+
+        rewards = self._call(run())
+        return {"eval/reward_mean": statistics.fmean(rewards) if rewards else float("nan"), "eval/items": len(rewards)}
+
     def stats(self) -> dict[str, float]:
         async def get() -> dict[str, float]:
             w = self.window
@@ -323,6 +360,7 @@ class RLTrainer(Trainer):
         self._service: RolloutService | None = None
         self._pusher: Any = None
         self._generator_bi: bool | None = None  # last setting sent to the generators
+        self._eval_items: list[Any] = []
         self._mlog: Any = None
         self._started = False
 
@@ -395,6 +433,7 @@ class RLTrainer(Trainer):
                 self._push(self.rl_version)
         tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
         self._service = RolloutService(rl, urls, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version)
+        self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
 
     @staticmethod
     def _server_version(url: str) -> int:
@@ -547,6 +586,10 @@ class RLTrainer(Trainer):
         }
         if self.rank == 0:
             metrics.update(self._service.stats())
+            if rl.eval_every and (self.step % rl.eval_every == 0 or last):
+                t_eval = time.perf_counter()
+                metrics.update(self._service.evaluate(self._eval_items, rl.max_tokens))
+                metrics["eval/seconds"] = time.perf_counter() - t_eval
             self._mlog.log(self.step, metrics)
             if rl.log_rollouts:
                 self._log_rollouts(groups, staleness)

@@ -5,7 +5,10 @@
 set -uo pipefail
 out=${OUT:-/tmp/parity-gpu}
 mkdir -p "$out" /tmp/tiny
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the plugin must be *installed*: vLLM finds it through the vllm.general_plugins entry point, and with
+# --model-impl titan but no plugin it silently serves its native class
+python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/titan-site . || exit 1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
 for arch in qwen3_5 qwen3_5_moe qwen3; do
     # text layout: vLLM 0.26 wants an image processor config for the multimodal architectures
     [ -f /tmp/tiny/$arch/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch $arch --layout text --out /tmp/tiny/$arch >/dev/null 2>&1

@@ -56,12 +56,21 @@ def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, at
     from vllm import LLM
 
     extra = {"attention_backend": attention_backend} if attention_backend else {}
-    return LLM(
+    llm = LLM(
         **extra,
         model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=True,
         enable_prefix_caching=prefix_caching, max_num_batched_tokens=64, max_model_len=1024,
         gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
     )
+    # vLLM accepts any --model-impl string and silently serves its native class when the plugin's entry
+    # point is not installed (e.g. the package is only on PYTHONPATH): refuse to compare against that.
+    served = llm.collective_rpc(lambda w: type(engine_model(w)).__name__)  # type: ignore[attr-defined]
+    if not all(name.startswith("Titan") for name in served):
+        raise RuntimeError(
+            f"vLLM is serving {served}, not the titan model: is the vllm_titan_plugin entry point installed "
+            "(pip install this package; PYTHONPATH alone does not register vllm.general_plugins)?"
+        )
+    return llm
 
 
 def generate(llm: object, prompts: list[list[int]], max_tokens: int, prefix_caching: bool) -> list[Rollout]:

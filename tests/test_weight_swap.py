@@ -280,10 +280,10 @@ def _stream_across_push(server: Server, mode: str, max_tokens: int = STREAM_TOKE
     th = threading.Thread(target=consume)
     th.start()
     deadline = time.time() + 120
-    while len(chunks) < 5 and th.is_alive():
+    while not chunks and th.is_alive():  # push as soon as the request is streaming
         assert time.time() < deadline, "stream did not start"
-        time.sleep(0.005)
-    assert th.is_alive(), "stream finished before the push: make it longer"
+        time.sleep(0.001)
+    assert not errors, errors
     server.pusher.push(server.reference, old + 1, mode=mode)
     th.join(timeout=300)
     assert not errors, errors
@@ -292,8 +292,15 @@ def _stream_across_push(server: Server, mode: str, max_tokens: int = STREAM_TOKE
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
 def test_swap_during_streaming_request(server: Server, mode: str) -> None:
-    chunks, old = _stream_across_push(server, mode)
-    versions = [c["titan_weight_version"] for c in chunks]
+    # On a fast machine the engine can finish the whole request before the push lands (the server
+    # buffers the stream ahead of a slow client); then the request did not straddle a swap and the
+    # attempt says nothing, so try again with the next version. The properties are checked on a
+    # request that did straddle one.
+    for _ in range(4):
+        chunks, old = _stream_across_push(server, mode)
+        versions = [c["titan_weight_version"] for c in chunks]
+        if versions and versions[-1] == old + 1 and versions[0] == old:
+            break
     assert all(a <= b for a, b in zip(versions, versions[1:])), versions
     assert versions[0] == old and versions[-1] == old + 1, (versions[0], versions[-1])
     usage = [c["usage"] for c in chunks if c.get("usage")]

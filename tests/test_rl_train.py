@@ -26,11 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 TOKEN = "rl-train-test-token-7d1e"
 
 
-def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str) -> str:
+def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str, nproc: int = 1) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(cache), TITAN_SWAP_TOKEN=TOKEN,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_tiny_cpu",
            "--training.steps", str(steps), "--rl.no-spawn-server", "--rl.generator-urls", base,
            "--rl.offpolicy", "0", "--rl.run-dir", str(tmp_path / "run"), "--dump-folder", str(tmp_path / "dump"),
@@ -100,3 +100,29 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
         final = json.loads((run / "final_checksums.json").read_text())
         assert final["version"] == 4 and final["server_matches"] is True
         assert requests.get(f"{srv.base}/titan/v1/weights/version", timeout=10).json()["version"] == 4
+
+
+def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
+    """2 ranks (gloo, FSDP2-sharded model): rank 0 generates and broadcasts, each rank trains on half the
+    groups, the sharded weights are gathered and pushed. On-policy with BI on, every rank's recompute
+    equals the generator's logprobs bit for bit (``bit_wise/*`` gather all ranks' tokens), and the
+    server ends on the trainer's gathered final weights."""
+    cache = tmp_path / "cache"
+    os.environ["TITAN_RL_CACHE"] = str(cache)
+    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
+
+    model_dir = Path(tiny_rl_checkpoint())
+    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
+    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
+        srv.wait_ready()
+        _torchrun(tmp_path, cache, srv.base, 2, "train_dp.log", nproc=2)
+    run = tmp_path / "run"
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    for r, roll in zip(recs, rolls):
+        # every completion token of the step's 4 groups x 8 samples, both ranks' halves
+        assert r["bit_wise/num_tokens"] == sum(len(s["completion_ids"]) for g in roll["groups"] for s in g["samples"]), r
+        assert r["bit_wise/logprob_diff/max"] == 0.0 and r["bit_wise/ratio_tokens_different"] == 0.0, r
+    final = json.loads((run / "final_checksums.json").read_text())
+    assert final["version"] == 2 and final["server_matches"] is True

@@ -204,6 +204,37 @@ def test_bad_push_rejected_and_weights_unchanged(server: Server, case: str) -> N
     _complete(server, [5, 6, 7], max_tokens=4)  # still serving
 
 
+def _fake_manifest(reference: dict[str, torch.Tensor], drop: str | None = None) -> dict[str, Any]:
+    """A structurally valid CUDA IPC manifest (the handles are never opened on a CPU server)."""
+    from titan_rl_ext.rl.cuda_ipc import FORMAT
+
+    return {"format": FORMAT, "tensors": {
+        n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()), "offset": 0,
+            "device_uuid": "GPU-none", "handle": "b:", "storage_bytes": 0, "storage_offset_bytes": 0,
+            "ref_counter_handle": None, "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False}
+        for n, t in reference.items() if n != drop}}
+
+
+def test_cuda_ipc_transport_checked_and_refused_on_cpu(server: Server) -> None:
+    """transport=cuda_ipc: the manifest's names/shapes/dtypes are checked like a safetensors payload; on a
+    CPU generator a well-formed manifest is refused (400, naming the reason); nothing changes."""
+    before, v = server.pusher.checksums(), _version(server)
+    name = sorted(server.reference)[0]
+    cases = [
+        (b"{not json", 400, "invalid CUDA IPC manifest"),
+        (json.dumps({"format": "other", "tensors": {}}).encode(), 400, "format"),
+        (json.dumps(_fake_manifest(server.reference, drop=name)).encode(), 422, name),
+        (json.dumps(_fake_manifest(server.reference)).encode(), 400, "needs a generator on CUDA"),
+    ]
+    for body, status, needle in cases:
+        r = _push_raw(server, body, v + 1, transport="cuda_ipc")
+        assert r.status_code == status, r.text
+        assert needle in r.json()["detail"], r.text
+    assert _push_raw(server, b"", v + 1, transport="carrier-pigeon").status_code == 400
+    assert server.pusher.checksums() == before and _version(server) == v
+    _complete(server, [5, 6, 7], max_tokens=4)
+
+
 def test_oversized_push_refused_before_reading(server: Server) -> None:
     v, before = _version(server), server.pusher.checksums()
     # Content-Length over the bound: answered from the headers, no body ever sent.

@@ -10,6 +10,10 @@ Routes (added to vLLM's app by wrapping its ``build_app``, see ``compat.wrap_api
   naming the tensors. Everything is validated before any weight changes. Then: pause the engine
   (``keep``: in-flight requests keep their KV/GDN state; ``recompute``: they are preempted and
   recompute), copy the tensors into the parameters in place in the workers, bump the version, resume.
+- ``POST /titan/v1/weights?version=N&transport=cuda_ipc`` (same host, GPU): the body is a JSON manifest of
+  CUDA IPC handles (``titan_rl_ext.rl.cuda_ipc``) instead of bytes. Names, dtypes and shapes are checked
+  from the manifest (422), then, paused, each worker opens the handles, checks every tensor is finite
+  (422, nothing copied) and copies device to device.
 - ``GET /titan/v1/weights/version`` -> ``{"version": N}``.
 - ``GET /titan/v1/weights/checksums`` (token required) -> per-parameter sha256 of the live weights.
 
@@ -51,6 +55,7 @@ VERSION_FIELD = "titan_weight_version"
 SALT_PREFIX = "titan-v"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 MODES = ("keep", "recompute")
+TRANSPORTS = ("safetensors", "cuda_ipc")
 # After the pause returns, outputs of the last engine step may still be on their way through the
 # API server's output handler; they carry the old weights and must be tagged with the old version.
 FLUSH_SECONDS = 0.05
@@ -75,6 +80,7 @@ def install() -> None:
     compat.install_worker_methods({
         "titan_weight_spec": worker_weight_spec,
         "titan_load_weights": worker_load_weights,
+        "titan_load_weights_ipc": worker_load_weights_ipc,
         "titan_weight_checksums": worker_weight_checksums,
         "titan_set_batch_invariant": worker_set_batch_invariant,
     })
@@ -126,6 +132,35 @@ def worker_load_weights(worker: Any, path: str) -> int:
         for name, p in params.items():
             p.copy_(f.get_tensor(name))
     return len(params)
+
+
+@torch.no_grad()
+def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Open the sender's CUDA IPC handles, check names/shapes/dtypes and finiteness of *every* tensor,
+    then copy device to device. Returns ``{"num_tensors": n}`` or ``{"problems": [...], "tensors": [...]}``
+    with nothing copied."""
+    from titan_rl_ext.rl.cuda_ipc import import_tensors, manifest_spec
+
+    params = _titan_params(worker)
+    if any(p.device.type != "cuda" for p in params.values()):
+        return {"problems": ["transport=cuda_ipc needs a generator on CUDA; this one serves on "
+                             f"{next(iter(params.values())).device.type} (use the default safetensors transport)"],
+                "tensors": [], "status": 400}
+    got = {n: [_ST_DTYPE.get(dt, str(dt)), shape] for n, (dt, shape) in manifest_spec(manifest).items()}
+    problems = _spec_problems(_spec_of(params), got)
+    if problems:
+        return {"problems": problems, "tensors": [], "status": 422}
+    tensors = import_tensors(manifest)
+    try:
+        nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if nonfinite:
+            return {"problems": [f"NaN/Inf in tensors: {_names(nonfinite)}"], "tensors": nonfinite, "status": 422}
+        for name, p in params.items():
+            p.copy_(tensors[name])
+        torch.cuda.synchronize()  # the sender may free its tensors once we answer
+    finally:
+        del tensors
+    return {"num_tensors": len(params)}
 
 
 def worker_weight_checksums(worker: Any) -> dict[str, str]:
@@ -354,10 +389,15 @@ def _make_router(state: SwapState) -> Any:
         mode = q.get("mode", "keep")
         if mode not in MODES:
             return _error(400, f"mode must be one of {MODES}, got {mode!r}")
+        transport = q.get("transport", "safetensors")
+        if transport not in TRANSPORTS:
+            return _error(400, f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if version <= state.version:
             return _error(409, f"version {version} is not greater than the current version {state.version}")
         engine = compat.engine_client_of(request.app)
         spec = await state.spec(engine)
+        if transport == "cuda_ipc":
+            return await _push_cuda_ipc(state, engine, request, spec, version, mode)
         limit = state.max_bytes(spec)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -371,7 +411,7 @@ def _make_router(state: SwapState) -> Any:
                 t0 = time.perf_counter()
                 num = await asyncio.to_thread(validate_payload, path, spec)
                 validate_s = time.perf_counter() - t0
-                swap_s = await _swap(state, engine, path, version, keep_cache=(mode == "keep"))
+                swap_s, _ = await _swap(state, engine, "titan_load_weights", path, version, keep_cache=(mode == "keep"))
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
             return _error(e.status, e.message, e.tensors)
@@ -389,21 +429,65 @@ def _make_router(state: SwapState) -> Any:
     return router
 
 
-async def _swap(state: SwapState, engine: Any, path: str, version: int, keep_cache: bool) -> float:
-    """Pause, copy in place in every worker, bump the version, resume; returns the seconds paused."""
+async def _swap(state: SwapState, engine: Any, method: str, arg: Any, version: int, keep_cache: bool) -> tuple[float, list[Any]]:
+    """Pause, run the worker loader ``method(arg)`` in every worker, bump the version, resume; returns the
+    seconds paused and the workers' answers. A worker answering ``{"problems": ...}`` copied nothing:
+    the version stays and the push is rejected."""
     t0 = time.perf_counter()
     state.idle.clear()  # new generation requests wait in the middleware: they get the new salt
     try:
         await compat.pause_generation(engine, keep_cache=keep_cache)
         try:
             await asyncio.sleep(FLUSH_SECONDS)  # let chunks produced by the old weights leave as the old version
-            await compat.worker_rpc(engine, "titan_load_weights", path)
+            results = await compat.worker_rpc(engine, method, arg)
+            bad = [r for r in results if isinstance(r, dict) and r.get("problems")]
+            if bad:
+                raise PushRejected(int(bad[0].get("status", 422)), "; ".join(bad[0]["problems"]), bad[0].get("tensors"))
             state.version = version  # paused: the next token is the first of the new weights
         finally:
             await compat.resume_generation(engine)
     finally:
         state.idle.set()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, results
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+async def _push_cuda_ipc(state: SwapState, engine: Any, request: Request, spec: dict[str, list[Any]], version: int,
+                         mode: str) -> Any:
+    """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.rl.cuda_ipc``)."""
+    from titan_rl_ext.rl.cuda_ipc import manifest_spec
+
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_MANIFEST_BYTES:
+            return _error(413, f"CUDA IPC manifest exceeds {MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = json.loads(body)
+        if not isinstance(manifest, dict):
+            raise ValueError("the manifest must be a JSON object")
+        got = {n: [_ST_DTYPE.get(dt, str(dt)), shape] for n, (dt, shape) in manifest_spec(manifest).items()}
+    except ValueError as e:
+        return _error(400, f"invalid CUDA IPC manifest: {e}")
+    problems = _spec_problems(spec, got)
+    if problems:
+        bad = sorted((set(spec) ^ set(got)) | {n for n in set(spec) & set(got) if got[n] != spec[n]})
+        return _error(422, "; ".join(problems), bad)
+    try:
+        async with state.lock:
+            if version <= state.version:
+                return _error(409, f"version {version} is not greater than the current version {state.version}")
+            swap_s, _ = await _swap(state, engine, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep"))
+    except PushRejected as e:
+        logger.warning("titan weight push v%d (cuda_ipc) rejected (%d): %s", version, e.status, e.message[:500])
+        return _error(e.status, e.message, e.tensors)
+    except Exception as e:  # the workers check everything before the first copy
+        logger.exception("titan weight push v%d (cuda_ipc) failed", version)
+        return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
+    logger.info("titan weights v%d swapped in %.3f s over CUDA IPC (%d tensors, mode=%s)", version, swap_s, len(got), mode)
+    return PushResponse(version=version, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s, validate_seconds=0.0)
 
 
 # -- middleware: cache salt per version, version on responses --------------------------------------------

@@ -20,8 +20,7 @@ def logprobs_from_logits(logits_TV: torch.Tensor) -> torch.Tensor:
 def token_logprobs(model: Decoder, tokens_T: torch.Tensor, batch: SeqBatch, fp32_head: bool = True) -> torch.Tensor:
     """``lp[t] = log p(tokens[t] | tokens of its sequence before t)`` for packed sequences ``[T]``;
     the first token of every sequence has no context and gets NaN. Differentiable."""
-    h_TD, _ = model.hidden(tokens_T, batch)
-    lp_TV = logprobs_from_logits(model.logits(h_TD, fp32=fp32_head))
+    lp_TV = logprobs_from_logits(model.packed_logits(tokens_T, batch, fp32=fp32_head))
     T = tokens_T.shape[0]
     out = torch.full((T,), float("nan"), dtype=torch.float32, device=tokens_T.device)
     if T == 0:

@@ -27,7 +27,8 @@ under the setting of their time, so with ``offpolicy > 0`` the first steps after
 
 Data parallelism (more than one rank): rank 0 generates, broadcasts the batch, every rank trains on
 its share of the groups, the loss is normalised by the all-reduced token count, and rank 0 pushes
-the gathered full state dict. Written for FSDP but only exercised with one rank so far.
+the gathered full state dict; ``bit_wise/*`` cover every rank's tokens. Tested with 2 CPU ranks (gloo,
+FSDP2): ``tests/test_rl_train.py``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class RLConfig:
     normalize_adv_std: bool = True
     push_every: int = 1
     push_mode: str = "keep"
+    weight_transport: str = "safetensors"
+    """``safetensors`` (bytes over HTTP: CPU, GPU, across hosts) or ``cuda_ipc`` (generators on this host that
+    see the trainer's GPU open CUDA IPC handles and copy device to device)."""
     batch_invariant_steps: int = 0
     """Batch-invariant kernels for the first N steps (see the module docstring for the server side)."""
     run_dir: str = ""
@@ -414,7 +418,7 @@ class RLTrainer(Trainer):
             urls.append(self._server.base)
         if not token:
             raise ValueError(f"set {rl.swap_token_env} to the generators' swap token")
-        self._pusher = WeightPusher(urls, token)
+        self._pusher = WeightPusher(urls, token, transport=rl.weight_transport)
         self._mlog = MetricsLogger(self.run_dir, config={"rl": _asdict(rl)})
         # a resumed run: the generators still serve the checkpoint the run started from
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -461,6 +465,14 @@ class RLTrainer(Trainer):
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        """All ranks' 1-D tensors concatenated in rank order (on every rank)."""
+        if self.world == 1:
+            return x
+        parts: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(parts, x.detach().cpu())
+        return torch.cat(parts).to(x.device)
+
     def train_step(self, data_iterator: Any) -> None:  # noqa: C901 -- one readable sequence
         from titan_rl_ext.kernels.batch_invariant import set_batch_invariant
         from titan_rl_ext.models.common.batch import SeqBatch
@@ -505,10 +517,14 @@ class RLTrainer(Trainer):
         version_T = torch.tensor([v for s in mine for v in [-1] * len(s.prompt_ids) + list(s.token_versions)],
                                  device=self.device)
         fresh_T = packed.loss_mask_T & (version_T == self.rl_version)
-        bw = bit_wise_metrics(packed.gen_logprobs_T, lp_re_T, fresh_T)
+        # every rank's tokens: gather the (few thousand) compared logprobs before reducing
+        gen_f, re_f = self._gather_cat(packed.gen_logprobs_T[fresh_T]), self._gather_cat(lp_re_T[fresh_T])
+        gen_a = self._gather_cat(packed.gen_logprobs_T[packed.loss_mask_T])
+        re_a = self._gather_cat(lp_re_T[packed.loss_mask_T])
+        bw = bit_wise_metrics(gen_f, re_f, torch.ones_like(gen_f, dtype=torch.bool))
         bw.update({k.replace("bit_wise/", "bit_wise_all/"): v
-                   for k, v in bit_wise_metrics(packed.gen_logprobs_T, lp_re_T, packed.loss_mask_T).items()})
-        bw["bit_wise/num_tokens"] = int(fresh_T.sum())
+                   for k, v in bit_wise_metrics(gen_a, re_a, torch.ones_like(gen_a, dtype=torch.bool)).items()})
+        bw["bit_wise/num_tokens"] = int(gen_f.numel())
         if bw["bit_wise/num_tokens"] == 0:  # no fresh tokens (a stale batch): undefined, not 0
             bw.update({k: float("nan") for k in bw if k.startswith("bit_wise/logprob_diff") or k == "bit_wise/ratio_tokens_different"})
 

@@ -3,13 +3,15 @@
 The generators run vLLM with ``--model-impl titan`` and ``TITAN_SWAP_TOKEN`` set
 (``vllm_titan_plugin.swap_endpoint``). The payload is a safetensors file (never pickle) holding the full
 titan state dict under titan names; each server validates all of it before touching any weight and swaps
-in place. ``checksum`` is the function both sides use, so the trainer can compare its tensors with
+in place. With ``transport="cuda_ipc"`` (same host, GPU) only CUDA IPC handles travel
+(``titan_rl_ext.rl.cuda_ipc``). ``checksum`` is the function both sides use, so the trainer can compare its tensors with
 ``GET /titan/v1/weights/checksums`` bit for bit.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,6 +19,9 @@ from typing import Any
 import torch
 
 WEIGHTS_ROUTE = "/titan/v1/weights"
+TRANSPORTS = ("safetensors", "cuda_ipc")
+"""``safetensors``: the bytes over HTTP (CPU, GPU, across hosts). ``cuda_ipc``: CUDA IPC handles in a JSON
+manifest, for a generator on the same host that sees the trainer's GPU (``rl.cuda_ipc``)."""
 BI_ROUTE = "/titan/v1/batch_invariant"
 
 
@@ -57,10 +62,13 @@ class WeightPusher:
     ``"recompute"`` preempts them so they recompute with the new weights.
     """
 
-    def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0, transport: str = "safetensors") -> None:
         if not urls:
             raise ValueError("WeightPusher needs at least one server URL")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.urls = [u.rstrip("/") for u in urls]
+        self.transport = transport
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
         self.timeout_s = timeout_s
 
@@ -70,10 +78,19 @@ class WeightPusher:
         ``WeightPushError`` naming every server that rejected the push."""
         if mode not in ("keep", "recompute"):
             raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
-        payload = serialize(state_dict)
         params = {"version": str(int(version)), "mode": mode}
+        keep_alive: list[torch.Tensor] = []
+        if self.transport == "cuda_ipc":
+            from titan_rl_ext.rl.cuda_ipc import export_tensors
+
+            manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
+            payload = json.dumps(manifest).encode()
+            params["transport"] = "cuda_ipc"
+        else:
+            payload = serialize(state_dict)
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             results = list(pool.map(lambda u: self._post(u, payload, params), self.urls))
+        del keep_alive
         failed = [r for r in results if not r["ok"]]
         if failed:
             lines = "; ".join(f"{r['url']}: HTTP {r['status']} {r['error']}" for r in failed)

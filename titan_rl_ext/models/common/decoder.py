@@ -163,6 +163,12 @@ class Decoder(nn.Module):
             return ops.linear(h_TD.float(), w.float())
         return ops.linear(h_TD, w)
 
+    def packed_logits(self, tokens_T: torch.Tensor, batch: SeqBatch, fp32: bool = False) -> torch.Tensor:
+        """Logits ``[T, V]`` of packed tokens. One method for embedding through LM head so that FSDP can
+        gather the root's weights around it (``parallelize_titan`` registers it as a forward method)."""
+        h_TD, _ = self.hidden(tokens_T, batch)
+        return self.logits(h_TD, fp32=fp32)
+
     def forward(self, tokens: torch.Tensor, batch: SeqBatch | None = None) -> torch.Tensor:
         """``tokens`` ``[B, S]`` -> logits ``[B, S, V]`` (B independent sequences), or packed ``[T]`` with
         a ``SeqBatch`` (default: one sequence) -> ``[T, V]``."""

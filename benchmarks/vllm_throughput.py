@@ -1,0 +1,142 @@
+"""Decode and prefill throughput of ``--model-impl titan`` vs vLLM's native implementation, same checkpoint.
+
+    python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native,titan,titan_bi]
+        [--batch-sizes 1,32,256] [--decode-tokens 128] [--out results.json]
+
+Each configuration runs in its own process (a fresh engine, the same GPU, one after the other):
+
+- ``native``    vLLM's own model class, eager (``enforce_eager=True``), BI off
+- ``titan``     ``--model-impl titan``, eager, BI off
+- ``titan_bi``  ``--model-impl titan``, eager, batch invariant (``TITAN_BATCH_INVARIANT=1``)
+- ``native_graphs`` vLLM's own class with its default compilation + CUDA graphs (optional)
+
+Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
+detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included and negligible).
+Prefill: 16 prompts of 2048 tokens, one new token each; tokens/s = prompt tokens / wall. Each figure is
+the median of ``--reps`` timed repetitions after one warm-up. The driver prints titan/native and
+titan_bi/titan ratios per batch size. ``--native-dir`` serves the native engine from another directory
+holding the same weights (e.g. the multimodal layout vLLM's native class needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+CONFIGS = ("native", "titan", "titan_bi", "native_graphs")
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = args.worker
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg == "titan_bi" else "0"
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    native = cfg.startswith("native")
+    model_dir = args.native_dir if native and args.native_dir else args.model_dir
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16",
+              attention_backend=args.attention_backend, enforce_eager=cfg != "native_graphs",
+              gpu_memory_utilization=args.gpu_mem, max_model_len=4096, max_num_seqs=max(args.batch_sizes),
+              enable_prefix_caching=False, seed=0)
+    init_s = time.perf_counter() - t0
+    served = llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]
+    if native == served.startswith("Titan"):
+        raise RuntimeError(f"config {cfg} is served by {served}")
+    g = torch.Generator().manual_seed(0)
+    vocab = min(args.prompt_vocab, 500)
+
+    def prompts(n: int, length: int) -> list[Any]:
+        return [TokensPrompt(prompt_token_ids=torch.randint(3, vocab, (length,), generator=g).tolist()) for _ in range(n)]
+
+    def timed(ps: list[Any], sp: Any) -> float:
+        llm.generate(ps, sp, use_tqdm=False)  # warm-up (same shapes)
+        times = []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs = llm.generate(ps, sp, use_tqdm=False)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o in outs)
+        return statistics.median(times)
+
+    res: dict[str, Any] = {"config": cfg, "served_class": served, "init_s": init_s, "decode": {}, "prefill": {}}
+    for b in args.batch_sizes:
+        sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
+        t = timed(prompts(b, 32), sp)
+        res["decode"][str(b)] = b * args.decode_tokens / t
+    sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    n, length = 16, 2048
+    res["prefill"][f"{n}x{length}"] = n * length / timed(prompts(n, length), sp1)
+    res["gpu"] = torch.cuda.get_device_name()
+    return res
+
+
+def _table(results: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    cfgs = [c for c in CONFIGS if c in results and "error" not in results[c]]
+    keys = [("decode", k) for k in next(iter(results[c] for c in cfgs))["decode"]] + [("prefill", k) for k in next(iter(results[c] for c in cfgs))["prefill"]] if cfgs else []
+    head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
+    ratios = [(a, b) for a, b in (("titan", "native"), ("titan_bi", "titan"), ("titan", "native_graphs")) if a in cfgs and b in cfgs]
+    head += "".join(f"{a + '/' + b:>22}" for a, b in ratios)
+    lines.append(head)
+    for kind, k in keys:
+        row = f"{kind + ' ' + (('B=' + k) if kind == 'decode' else k):<22}"
+        row += "".join(f"{results[c][kind][k]:>20.1f}" for c in cfgs)
+        row += "".join(f"{results[a][kind][k] / results[b][kind][k]:>22.3f}" for a, b in ratios)
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--native-dir", default="")
+    ap.add_argument("--configs", default="native,titan,titan_bi")
+    ap.add_argument("--batch-sizes", default="1,32,256", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-vocab", type=int, default=500, help="prompt token ids are drawn below this")
+    ap.add_argument("--attention-backend", default="TRITON_ATTN")
+    ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args)), flush=True)
+        return 0
+    results: dict[str, dict[str, Any]] = {}
+    for cfg in args.configs.split(","):
+        cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
+               "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
+               "--reps", str(args.reps), "--prompt-vocab", str(args.prompt_vocab),
+               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)]
+        t = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+            results[cfg] = json.loads(line[7:]) if line else {"error": (r.stdout + r.stderr)[-3000:]}
+        except subprocess.TimeoutExpired as e:
+            results[cfg] = {"error": f"timed out after {args.timeout} s: {str(e.stderr)[-2000:] if e.stderr else ''}"}
+        print(f"[{cfg}] {time.perf_counter() - t:.0f} s: "
+              + (json.dumps({k: results[cfg][k] for k in ('served_class', 'init_s', 'decode', 'prefill')})
+                 if "error" not in results[cfg] else "FAILED\n" + results[cfg]["error"]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print(_table(results) if any("error" not in r for r in results.values()) else "no configuration ran")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On the GPU machine, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH) and with
+# fla-core's wheel in .whl/: the plugin inside real vLLM on checkpoints with the real Qwen3.5-9B and
+# Qwen3.5-35B-A3B layer shapes (4 layers: 3 GDN + 1 gated attention; real vocabulary; random bf16 weights).
+#   bash tests/gpu/run_vllm_e2e.sh setup    # install the package + FLA, build the checkpoints on the GPU
+#   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off, prefix caching + split prefills, both shapes
+#   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
+#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py titan vs native, BI cost
+# Results (logs, JSON) go to $OUT (default /tmp/e2e-gpu).
+set -uo pipefail
+out=${OUT:-/tmp/e2e-gpu}
+ck=/tmp/ckpt
+mkdir -p "$out" "$ck"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
+what=${1:-all}
+
+if [[ $what == setup || $what == all ]]; then
+    # the plugin must be *installed* (entry point), not only importable
+    python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/titan-site . || exit 1
+    python3 -m pip install -q --no-deps --no-index --target /tmp/titan-site .whl/fla_core-*.whl || exit 1
+    t=$(date +%s)
+    [ -f $ck/dense/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
+        --layout text --dtype bfloat16 --device cuda --out $ck/dense > "$out/make_dense.log" 2>&1 || { tail -5 "$out/make_dense.log"; exit 1; }
+    [ -f $ck/moe/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5_moe --shape qwen3_5-35b-a3b --layers 4 \
+        --layout text --dtype bfloat16 --device cuda --out $ck/moe > "$out/make_moe.log" 2>&1 || { tail -5 "$out/make_moe.log"; exit 1; }
+    [ -f $ck/dense_vlm/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
+        --layout vlm --dtype bfloat16 --device cuda --out $ck/dense_vlm > "$out/make_dense_vlm.log" 2>&1 || { tail -5 "$out/make_dense_vlm.log"; exit 1; }
+    echo "checkpoints built in $(( $(date +%s) - t )) s: $(du -sh $ck/* | tr '\n' ' ')"
+fi
+
+parity() {  # name, args...
+    local name=$1; shift
+    local t=$(date +%s)
+    timeout 300 python3 -m titan_rl_ext.tools.parity --attention-backend TRITON_ATTN --dtype bfloat16 "$@" > "$out/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t ))s $(grep -E '^(prompts|logprob_diff|doctor)' "$out/$name.log" | tr '\n' ' ')"
+    grep -E "Error|error" "$out/$name.log" | grep -v "^WARNING" | tail -3
+}
+if [[ $what == parity || $what == all ]]; then
+    parity dense_bi   --model-dir $ck/dense --bi --prefix-caching --num-seqs 16 --max-tokens 32 --doctor
+    parity dense_nobi --model-dir $ck/dense --prefix-caching --num-seqs 16 --max-tokens 32
+    parity moe_bi     --model-dir $ck/moe --bi --prefix-caching --num-seqs 16 --max-tokens 32 --doctor
+    parity moe_nobi   --model-dir $ck/moe --prefix-caching --num-seqs 16 --max-tokens 32
+fi
+
+if [[ $what == ipc || $what == all ]]; then
+    TITAN_SWAP_TOKEN=ipc timeout 300 python3 tests/gpu/vllm_ipc_swap.py --model-dir $ck/dense --out "$out/ipc_swap.json" > "$out/ipc_swap.log" 2>&1
+    echo "ipc_swap rc=$? $(grep -E '^cuda_ipc swap' "$out/ipc_swap.log")"; tail -1 "$out/ipc_swap.log"
+    timeout 200 python3 -m pytest -q tests/gpu/test_cuda_ipc.py 2>&1 | tail -3
+fi
+
+if [[ $what == bench || $what == all ]]; then
+    timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
+        --configs ${BENCH_CONFIGS:-native,titan,titan_bi} --out "$out/throughput.json" --timeout 170 2>&1 | tee "$out/throughput.log" | tail -12
+fi

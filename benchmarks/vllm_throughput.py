@@ -43,8 +43,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     native = cfg.startswith("native")
     model_dir = args.native_dir if native and args.native_dir else args.model_dir
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16",
-              attention_backend=args.attention_backend, enforce_eager=cfg != "native_graphs",
+    # text only: language_model_only skips vLLM's multimodal processor and vision tower for both impls;
+    # the Triton GDN prefill (vLLM's default on Hopper is FlashInfer's, compiled on first use with nvcc)
+    extra = {"gdn_prefill_backend": "triton", "mm_encoder_attn_backend": "TORCH_SDPA"} if native else {}
+    llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16", language_model_only=True,
+              **extra, attention_backend=args.attention_backend, enforce_eager=cfg != "native_graphs",
               gpu_memory_utilization=args.gpu_mem, max_model_len=4096, max_num_seqs=max(args.batch_sizes),
               enable_prefix_caching=False, seed=0)
     init_s = time.perf_counter() - t0

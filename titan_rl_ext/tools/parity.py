@@ -174,11 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from titan_rl_ext.models.hf import config_from_hf, read_config
 
-    from transformers import AutoTokenizer
-
-    # prompt ids stay inside the tokenizer's vocabulary (vLLM rejects others), which a random checkpoint
-    # with a real-size embedding but a small test tokenizer does not fill
-    vocab = min(config_from_hf(read_config(args.model_dir)).vocab_size, len(AutoTokenizer.from_pretrained(args.model_dir)))
+    vocab = config_from_hf(read_config(args.model_dir)).vocab_size  # vLLM accepts any id below vocab_size
     prompts = make_prompts(args.num_seqs, vocab, args.seed)
     llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend)
     if args.perturb_generator_op:

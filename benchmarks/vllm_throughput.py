@@ -12,7 +12,7 @@ Each configuration runs in its own process (a fresh engine, the same GPU, one af
 
 Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
 detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included and negligible).
-Prefill: 16 prompts of 2048 tokens, one new token each; tokens/s = prompt tokens / wall. Each figure is
+Prefill: ``--prefill`` N prompts of L tokens (default 16x2048), one new token each; tokens/s = prompt tokens / wall. Each figure is
 the median of ``--reps`` timed repetitions after one warm-up. The driver prints titan/native and
 titan_bi/titan ratios per batch size. ``--native-dir`` serves the native engine from another directory
 holding the same weights (e.g. the multimodal layout vLLM's native class needs).
@@ -78,7 +78,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         t = timed(prompts(b, 32), sp)
         res["decode"][str(b)] = b * args.decode_tokens / t
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-    n, length = 16, 2048
+    n, length = (int(x) for x in args.prefill.split("x"))
     res["prefill"][f"{n}x{length}"] = n * length / timed(prompts(n, length), sp1)
     res["gpu"] = torch.cuda.get_device_name()
     return res
@@ -108,6 +108,7 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,32,256", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prefill", default="16x2048", help="prefill workload: N prompts x L tokens")
     ap.add_argument("--prompt-vocab", type=int, default=500, help="prompt token ids are drawn below this")
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
     ap.add_argument("--gpu-mem", type=float, default=0.5)
@@ -122,7 +123,7 @@ def main() -> int:
     for cfg in args.configs.split(","):
         cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
-               "--reps", str(args.reps), "--prompt-vocab", str(args.prompt_vocab),
+               "--reps", str(args.reps), "--prefill", args.prefill, "--prompt-vocab", str(args.prompt_vocab),
                "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)]
         t = time.perf_counter()
         try:

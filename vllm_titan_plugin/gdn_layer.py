@@ -90,11 +90,10 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
             conv0 = torch.where(keep[:, None, None], conv0, torch.zeros_like(conv0))
             ssm0 = torch.where(keep[:, None, None, None], ssm0, torch.zeros_like(ssm0))
 
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         seq = SeqBatch(
             cu_seqlens=cu_seqlens.to(torch.int32),
             positions=batch.positions[:T],
-            max_seqlen=int(lengths.max()) if n_seqs else 0,
+            max_seqlen=T,  # an upper bound: the exact value would cost a host sync every layer
         )
         y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv0, ssm0))
         conv_cache.index_copy_(0, slots, new.conv.to(conv_cache.dtype))

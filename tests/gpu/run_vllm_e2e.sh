@@ -5,7 +5,8 @@
 #   bash tests/gpu/run_vllm_e2e.sh setup    # install the package + FLA, build the checkpoints on the GPU
 #   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off, prefix caching + split prefills, both shapes
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
-#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py titan vs native, BI cost
+#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py titan vs native (BI off, eager)
+#   bash tests/gpu/run_vllm_e2e.sh bench_bi # the same, titan with BI on vs off
 # Results (logs, JSON) go to $OUT (default /tmp/e2e-gpu).
 set -uo pipefail
 out=${OUT:-/tmp/e2e-gpu}
@@ -22,7 +23,7 @@ if [[ $what == setup || $what == all ]]; then
     t=$(date +%s)
     [ -f $ck/dense/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
         --layout text --dtype bfloat16 --device cuda --out $ck/dense > "$out/make_dense.log" 2>&1 || { tail -5 "$out/make_dense.log"; exit 1; }
-    [ -f $ck/moe/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5_moe --shape qwen3_5-35b-a3b --layers 4 \
+    [ -f $ck/moe/config.json ] || [ -n "${SKIP_MOE:-}" ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5_moe --shape qwen3_5-35b-a3b --layers 4 \
         --layout text --dtype bfloat16 --device cuda --out $ck/moe > "$out/make_moe.log" 2>&1 || { tail -5 "$out/make_moe.log"; exit 1; }
     [ -f $ck/dense_vlm/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
         --layout vlm --dtype bfloat16 --device cuda --out $ck/dense_vlm > "$out/make_dense_vlm.log" 2>&1 || { tail -5 "$out/make_dense_vlm.log"; exit 1; }
@@ -37,10 +38,10 @@ parity() {  # name, args...
     grep -E "Error|error" "$out/$name.log" | grep -v "^WARNING" | tail -3
 }
 if [[ $what == parity || $what == all ]]; then
-    parity dense_bi   --model-dir $ck/dense --bi --prefix-caching --num-seqs 16 --max-tokens 32 --doctor
-    parity dense_nobi --model-dir $ck/dense --prefix-caching --num-seqs 16 --max-tokens 32
-    parity moe_bi     --model-dir $ck/moe --bi --prefix-caching --num-seqs 16 --max-tokens 32 --doctor
-    parity moe_nobi   --model-dir $ck/moe --prefix-caching --num-seqs 16 --max-tokens 32
+    parity dense_bi   --model-dir $ck/dense --max-num-batched-tokens 528 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
+    parity dense_nobi --model-dir $ck/dense --max-num-batched-tokens 528 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
+    parity moe_bi     --model-dir $ck/moe --max-num-batched-tokens 1056 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
+    parity moe_nobi   --model-dir $ck/moe --max-num-batched-tokens 1056 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
 fi
 
 if [[ $what == ipc || $what == all ]]; then
@@ -51,5 +52,10 @@ fi
 
 if [[ $what == bench || $what == all ]]; then
     timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${BENCH_CONFIGS:-native,titan,titan_bi} --out "$out/throughput.json" --timeout 170 2>&1 | tee "$out/throughput.log" | tail -12
+        --configs ${BENCH_CONFIGS:-native,titan} --out "$out/throughput.json" --timeout 200 2>&1 | tee "$out/throughput.log" | tail -8
+fi
+if [[ $what == bench_bi || $what == all ]]; then
+    # BI's cost in the generator (smaller prefill: BI attention runs one sequence at a time)
+    timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --configs titan,titan_bi --decode-tokens 64 \
+        --prefill 4x1024 --reps 2 --out "$out/throughput_bi.json" --timeout 200 2>&1 | tee "$out/throughput_bi.log" | tail -8
 fi

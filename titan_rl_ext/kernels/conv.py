@@ -3,6 +3,10 @@
 Layout: x ``[T, C]`` packed, weight ``[C, W]``, ``cu_seqlens`` ``[N+1]``; the state of a sequence is
 its last ``W - 1`` inputs, ``[N, W-1, C]`` (time-major, like vLLM's conv cache). With no initial
 state a sequence starts from zeros -- the same as left zero padding, which is what HF does.
+
+``causal_conv1d_torch`` is the one the model runs: every sequence at once, no host synchronisation
+(decode steps of hundreds of sequences). ``causal_conv1d_reference`` loops over sequences and is kept
+as the readable reference; both sum the taps in the same fixed order, so they agree bit for bit.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 from titan_rl_ext.kernels import ops
 
 
-def causal_conv1d_torch(
+def causal_conv1d_reference(
     x_TC: torch.Tensor,
     weight_CW: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -58,4 +62,50 @@ def causal_conv1d_torch(
     elif activation is not None:
         raise ValueError(f"unsupported activation {activation!r}")
     final = torch.stack(states) if states else x_TC.new_zeros(0, W - 1, C)
+    return y_TC, final
+
+
+def causal_conv1d_torch(
+    x_TC: torch.Tensor,
+    weight_CW: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    bias_C: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All sequences at once: their states and tokens are laid out back to back in one buffer
+    (``[state_0, x_0, state_1, x_1, ...]``), so tap ``j`` of every token is one gather."""
+    if x_TC.dim() != 2 or weight_CW.dim() != 2 or weight_CW.shape[0] != x_TC.shape[1]:
+        raise ValueError(f"expected x [T, C] and weight [C, W]; got {tuple(x_TC.shape)}, {tuple(weight_CW.shape)}")
+    T, C = x_TC.shape
+    W = weight_CW.shape[1]
+    N = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (N, W - 1, C):
+        raise ValueError(f"conv state must be [N, W-1, C]={[N, W - 1, C]}; got {tuple(initial_state.shape)}")
+    if x_TC.device.type == "cpu" and int(cu_seqlens[-1]) != T:  # on GPU this check would cost a host sync
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, expected T={T}")
+    dev = x_TC.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    seq_T = torch.repeat_interleave(torch.arange(N, device=dev), cu[1:] - cu[:-1], output_size=T)
+    tok_pos_T = torch.arange(T, device=dev) + (seq_T + 1) * (W - 1)  # where token t sits in the buffer
+    start_N = cu[:-1] + torch.arange(N, device=dev) * (W - 1)  # where sequence n's state begins
+    taps = torch.arange(W - 1, device=dev)
+    buf = x_TC.new_zeros(T + N * (W - 1), C)
+    if initial_state is not None:
+        buf[(start_N[:, None] + taps).reshape(-1)] = initial_state.to(x_TC.dtype).reshape(-1, C)
+    buf[tok_pos_T] = x_TC
+    first_T = tok_pos_T - (W - 1)
+    # Taps summed one by one in a fixed order: each output's bits depend only on its own W inputs, not
+    # on the sequence length or chunking, so a prefill split across steps reproduces the unsplit result.
+    y_TC = buf[first_T] * weight_CW[:, 0]
+    for j in range(1, W):
+        y_TC = y_TC + buf[first_T + j] * weight_CW[:, j]
+    if bias_C is not None:
+        y_TC = y_TC + bias_C
+    if activation == "silu":
+        y_TC = ops.silu(y_TC)
+    elif activation is not None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    end_N = cu[1:] + (torch.arange(N, device=dev) + 1) * (W - 1)
+    final = buf[(end_N[:, None] - (W - 1) + taps).reshape(-1)].view(N, W - 1, C)
     return y_TC, final

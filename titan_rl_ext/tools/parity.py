@@ -34,11 +34,11 @@ class Rollout:
     cached_prompt_tokens: int = 0
 
 
-def make_prompts(num_seqs: int, vocab_size: int, seed: int) -> list[list[int]]:
+def make_prompts(num_seqs: int, vocab_size: int, seed: int, shared_len: int = 300) -> list[list[int]]:
     """Mixed lengths (1 .. ~150 tokens); every third prompt extends a shared 300-token prefix (longer
     than a hybrid model's cache block, so align-mode prefix caching can hit)."""
     g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, vocab_size, (300,), generator=g).tolist()
+    shared = torch.randint(3, vocab_size, (shared_len,), generator=g).tolist()
     prompts = []
     for i in range(num_seqs):
         n = int(torch.randint(1, 60, (1,), generator=g)) if i % 4 else int(torch.randint(100, 150, (1,), generator=g))
@@ -52,14 +52,15 @@ def engine_model(worker: object) -> torch.nn.Module:
     return worker.model_runner.get_model()  # type: ignore[attr-defined]
 
 
-def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, attention_backend: str | None = None) -> object:
+def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, attention_backend: str | None = None,
+                 max_num_batched_tokens: int = 64) -> object:
     from vllm import LLM
 
     extra = {"attention_backend": attention_backend} if attention_backend else {}
     llm = LLM(
         **extra,
         model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=True,
-        enable_prefix_caching=prefix_caching, max_num_batched_tokens=64, max_model_len=1024,
+        enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
         gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
     )
     # vLLM accepts any --model-impl string and silently serves its native class when the plugin's entry
@@ -164,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention-backend", default=None, help="vLLM attention backend (e.g. TRITON_ATTN on GPU)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=64,
+                    help="engine token budget per step (small = prefills split across steps); align-mode prefix "
+                         "caching needs it >= the engine's block size (528 for Qwen3.5-9B shapes)")
+    ap.add_argument("--shared-prefix", type=int, default=300,
+                    help="tokens of the prefix every third prompt shares (must exceed the block size to be cached)")
     ap.add_argument("--doctor", action="store_true", help="on any difference, locate the first diverging op")
     ap.add_argument("--perturb-generator-op", metavar="MODULE", help="debug: nudge MODULE's output in the engine only")
     args = ap.parse_args(argv)
@@ -175,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from titan_rl_ext.models.hf import config_from_hf, read_config
 
     vocab = config_from_hf(read_config(args.model_dir)).vocab_size  # vLLM accepts any id below vocab_size
-    prompts = make_prompts(args.num_seqs, vocab, args.seed)
-    llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend)
+    prompts = make_prompts(args.num_seqs, vocab, args.seed, args.shared_prefix)
+    llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend,
+                       args.max_num_batched_tokens)
     if args.perturb_generator_op:
         from titan_rl_ext.tools.parity_doctor import perturb_output_hook
 

@@ -275,6 +275,7 @@ def test_pushers_killed_mid_push_leave_no_trace(server: Server, tmp_path: Path) 
     rss_before = _rss(server.pid)
 
     staged: list[str] = []
+    faults_log_from = len(server.log.read_bytes())
     for frac in FAULT_CUTS:
         cut = max(1, min(len(payload) - 1, round(frac * len(payload))))
         proc, client_port = _start_pusher(server, tmp_path / "new.safetensors", v + 1, cut)
@@ -291,6 +292,11 @@ def test_pushers_killed_mid_push_leave_no_trace(server: Server, tmp_path: Path) 
                   "the staging file to be closed and removed")
         _wait_for(lambda: not _server_conns_from(server.pid, server.port, client_port),
                   "the server to close the dead pusher's connection")
+
+    # each abort is one warning line naming the cause, not an error with a traceback
+    fault_log = server.log.read_bytes()[faults_log_from:].decode(errors="replace")
+    assert fault_log.count(f"titan weight push v{v + 1} rejected: the client disconnected") == len(FAULT_CUTS), fault_log[-3000:]
+    assert "Traceback" not in fault_log, fault_log[-3000:]
 
     # nothing changed, still serving, and the version the dead pushers used is still free
     assert _version(server) == v
@@ -666,7 +672,6 @@ def test_bad_pushes_rejected_and_weights_unchanged(server: Server) -> None:
     sums = checksum(server.reference)
     good = serialize(server.reference)
     tried: collections.Counter[str] = collections.Counter()
-    outcomes: dict[str, int] = {}
 
     def unchanged(version: int) -> None:
         assert _version(server) == version and server.pusher.checksums() == sums
@@ -676,12 +681,12 @@ def test_bad_pushes_rejected_and_weights_unchanged(server: Server) -> None:
         assert r.status_code == 400, (kind, r.status_code, r.text[:500])
         assert "not a valid safetensors file" in r.json()["detail"] and expect in r.json()["detail"], (kind, r.text)
         tried[kind] += 1
-    # the safetensors body wrapped in a multipart form: not the raw file the route takes
+    # the safetensors body wrapped in a multipart form: not the raw file the route takes (refused by its label)
     r = requests.post(f"{server.base}{ROUTE}", params={"version": v + 1}, files={"w": ("w.safetensors", good)},
                       headers=_auth(), timeout=120)
-    assert r.status_code == 400 and "not a valid safetensors file" in r.json()["detail"], r.text
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["detail"], r.text
     tried["multipart-wrapped payload"] += 1
-    for bad in ("1.5", "abc", "", "0x10"):
+    for bad in ("1.5", "abc", "", "0x10", "1_0", "+12", " 13 ", "\u0661\u0664", str(2**70), str(2**63)):
         r = _push_raw(server, good, bad)
         assert r.status_code == 400 and "version" in r.json()["detail"], (bad, r.text)
         tried["non-integer version"] += 1
@@ -696,22 +701,14 @@ def test_bad_pushes_rejected_and_weights_unchanged(server: Server) -> None:
     decoy = json.dumps({name: dict(hdr[name], dtype="I32")})[1:-1].encode()  # same bytes, another dtype
     hb = json.dumps(hdr).encode()
     r = _push_raw(server, _st_build(b"{" + decoy + b"," + hb[1:], data), v + 1)
-    outcomes["duplicate tensor name"] = r.status_code
-    assert r.status_code in (200, 400, 422), r.text
-    if r.status_code == 200:
-        v += 1
+    assert r.status_code == 400 and "duplicate tensor names" in r.json()["detail"] and name in r.json()["detail"], r.text
     unchanged(v)
     tried["duplicate tensor name in header"] += 1
 
-    # A valid payload sent as another media type: either refused (415) or taken for what it is -- the
-    # route validates the bytes, never the label -- and then swapped bit for bit.
+    # A valid payload labelled as another media type: refused (415) before reading it.
     for ctype in ("application/json", "application/x-www-form-urlencoded", "text/plain"):
-        r = _push_raw(server, good, v + 1, headers={"Content-Type": ctype})
-        outcomes[f"Content-Type {ctype}"] = r.status_code
-        assert r.status_code in (200, 415), (ctype, r.text)
-        if r.status_code == 200:
-            v += 1
-            assert r.json()["version"] == v
+        r = _push_raw(server, good, v + 1, headers={**_auth(), "Content-Type": ctype})
+        assert r.status_code == 415 and "Content-Type" in r.json()["detail"], (ctype, r.text)
         unchanged(v)
         tried["valid payload, wrong Content-Type"] += 1
 
@@ -749,5 +746,5 @@ def test_bad_pushes_rejected_and_weights_unchanged(server: Server) -> None:
 
     assert _greedy(server, [5, 6, 7], max_tokens=4)  # still serving
     TRIED.update({f"push: {k}": n for k, n in tried.items()})
-    print(f"\nbad pushes, by kind ({sum(tried.values())}): {dict(tried)}; lenient outcomes: {outcomes}")
+    print(f"\nbad pushes, by kind ({sum(tried.values())}): {dict(tried)}")
     print(f"all inputs tried in this module so far, by kind: {dict(TRIED)}")

@@ -34,6 +34,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel
-from starlette.requests import Request  # module level: FastAPI resolves the string annotations here
+from starlette.requests import ClientDisconnect, Request  # module level: FastAPI resolves the string annotations
 
 from vllm_titan_plugin import compat
 
@@ -214,6 +215,23 @@ def _spec_problems(expected: dict[str, list[Any]], got: dict[str, list[Any]]) ->
     return problems
 
 
+def _duplicate_names(path: str) -> list[str]:
+    """Names that occur more than once in the safetensors header (``safe_open`` keeps the last one)."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")  # already bounded by safe_open
+        header = fh.read(n)
+    dups: set[str] = set()
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for k, _ in items:
+            (dups if k in seen else seen).add(k)
+        return dict(items)
+
+    json.loads(header, object_pairs_hook=pairs)
+    return sorted(dups)
+
+
 def validate_payload(path: str, expected: dict[str, list[Any]]) -> int:
     """Raise ``PushRejected`` (400 unparseable, 422 mismatched or non-finite) or return the tensor count."""
     from safetensors import safe_open
@@ -227,6 +245,9 @@ def validate_payload(path: str, expected: dict[str, list[Any]]) -> int:
             got = _file_spec(f)
         except Exception as e:
             raise PushRejected(400, f"payload is not a valid safetensors file: {e}") from None
+        if dups := _duplicate_names(path):
+            # the format forbids them, and two readers could pick different entries
+            raise PushRejected(400, f"payload is not a valid safetensors file: duplicate tensor names: {_names(dups)}", dups)
         problems = _spec_problems(expected, got)
         if problems:
             bad = sorted((set(expected) ^ set(got)) | {n for n in set(expected) & set(got) if got[n] != expected[n]})
@@ -382,16 +403,22 @@ def _make_router(state: SwapState) -> Any:
         if (err := state.auth_error(request.headers.get("authorization"))) is not None:
             return _error(*err)
         q = request.query_params
-        try:
-            version = int(q["version"])
-        except (KeyError, ValueError):
-            return _error(400, "query parameter 'version' (an integer) is required")
+        raw = q.get("version", "")
+        # plain ASCII decimal below 2**63: int() would also take "1_0", " 13 ", other scripts' digits,
+        # and a huge version would block every later push (and overflow the trainer's int64 versions)
+        if not re.fullmatch(r"-?[0-9]{1,19}", raw) or int(raw) >= 2**63:
+            return _error(400, "query parameter 'version' must be a decimal integer below 2**63")
+        version = int(raw)
         mode = q.get("mode", "keep")
         if mode not in MODES:
             return _error(400, f"mode must be one of {MODES}, got {mode!r}")
         transport = q.get("transport", "safetensors")
         if transport not in TRANSPORTS:
             return _error(400, f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        allowed = ("", "application/octet-stream") + (("application/json",) if transport == "cuda_ipc" else ())
+        if ctype not in allowed:
+            return _error(415, f"Content-Type must be application/octet-stream (a safetensors file), got {ctype!r}")
         if version <= state.version:
             return _error(409, f"version {version} is not greater than the current version {state.version}")
         engine = compat.engine_client_of(request.app)
@@ -415,6 +442,9 @@ def _make_router(state: SwapState) -> Any:
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
             return _error(e.status, e.message, e.tensors)
+        except ClientDisconnect:  # the pusher died or gave up mid-upload: nothing was swapped
+            logger.warning("titan weight push v%d rejected: the client disconnected before the whole payload", version)
+            return _error(400, "client disconnected before the whole payload arrived")
         except Exception as e:  # the workers re-check before copying, so the weights are still the old ones
             logger.exception("titan weight push v%d failed", version)
             return _error(500, f"weight swap failed: {type(e).__name__}: {e}")

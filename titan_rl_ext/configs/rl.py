@@ -10,6 +10,7 @@ Building a recipe never touches the network: ``rl_tiny_cpu`` writes its tiny che
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -72,15 +73,13 @@ def _rl_trainer(model_spec: Any, hf_dir: str, rl: Any, *, steps: int, lr: float,
     )
 
 
-def rl_tiny_cpu() -> Any:
-    """Tiny Qwen3.5 on CPU, synthetic single-digit sums, 4 prompts x G=8, off-policy window 2,
-    batch invariant on both sides (the spawned server starts with TITAN_BATCH_INVARIANT=1), 20 steps.
-    Spawns its own vLLM server unless ``--rl.generator_urls`` names one (then ``--rl.no-spawn-server``)."""
+def _tiny_rl_config(hf_dir: str, **changes: Any) -> Any:
+    """The CPU recipes' ``RLConfig``: a spawned fp32 server, 4 prompts x G=8, 4 new tokens, off-policy
+    window 2, DAPO, batch invariant on both sides for the whole run; ``changes`` override fields."""
     from titan_rl_ext.rl.losses import DAPOLoss
     from titan_rl_ext.rl.trainer import RLConfig
 
-    hf_dir = tiny_rl_checkpoint()
-    rl = RLConfig(
+    base = RLConfig(
         spawn_server=True,
         server_args=["--dtype", "float32", "--max-model-len", "512", "--seed", "0"],
         model_dir=hf_dir,
@@ -95,8 +94,16 @@ def rl_tiny_cpu() -> Any:
         batch_invariant_steps=1_000_000,  # the whole run
         run_dir="",
     )
-    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=20, lr=1e-3, warmup=2, batch_invariant=True,
-                       dump=str(cache_dir() / "outputs" / "rl_tiny_cpu"), checkpoint_interval=5)
+    return dataclasses.replace(base, **changes)
+
+
+def rl_tiny_cpu() -> Any:
+    """Tiny Qwen3.5 on CPU, synthetic single-digit sums, 4 prompts x G=8, off-policy window 2,
+    batch invariant on both sides (the spawned server starts with TITAN_BATCH_INVARIANT=1), 20 steps.
+    Spawns its own vLLM server unless ``--rl.generator_urls`` names one (then ``--rl.no-spawn-server``)."""
+    hf_dir = tiny_rl_checkpoint()
+    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, _tiny_rl_config(hf_dir), steps=20, lr=1e-3, warmup=2,
+                       batch_invariant=True, dump=str(cache_dir() / "outputs" / "rl_tiny_cpu"), checkpoint_interval=5)
 
 
 def qwen3_5_9b_dapo_math() -> Any:
@@ -161,26 +168,8 @@ def demo_rl_checkpoint(verbose: bool = True) -> str:
 def rl_demo_cpu() -> Any:
     """The README demo: the warmed-up tiny Qwen3.5 (``demo_rl_checkpoint``) on CPU, ``synthetic_copy``,
     8 prompts x G=8, off-policy window 2, batch invariant on both sides for the whole run, 40 steps, lr 2e-3."""
-    from titan_rl_ext.rl.losses import DAPOLoss
-    from titan_rl_ext.rl.trainer import RLConfig
-
     hf_dir = demo_rl_checkpoint()
-    rl = RLConfig(
-        spawn_server=True,
-        server_args=["--dtype", "float32", "--max-model-len", "512", "--seed", "0"],
-        model_dir=hf_dir,
-        task=f"synthetic_{DEMO_TASK}",
-        prompts_per_step=8,
-        group_size=8,
-        max_tokens=4,
-        temperature=1.0,
-        offpolicy=2,
-        num_producers=8,
-        loss=DAPOLoss.Config(),
-        batch_invariant_steps=1_000_000,
-        eval_every=10,
-        eval_items=64,
-        run_dir="",
-    )
+    rl = _tiny_rl_config(hf_dir, task=f"synthetic_{DEMO_TASK}", prompts_per_step=8, num_producers=8,
+                         eval_every=10, eval_items=64)
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=40, lr=2e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_demo_cpu"), checkpoint_interval=10)

@@ -66,11 +66,19 @@ ODD = {
 }
 
 
+# The odd configs get 3e-4: on an AVX2 CPU the full-first/GQA-3/partial-rotary Qwen3.5 (GDN key/value head
+# dims 8/12, conv 3) measured titan vs HF 1.05e-4 while each side's own fp32 error is larger: against a
+# float64 run of the same weights titan is off by 1.3e-4 and transformers by 2.0e-4 (its GDN reference
+# computes in fp32 even for float64 inputs). 1e-4 held on an AVX-512 machine; the gap is rounding, not
+# a modelling difference (titan in float64 vs transformers in float64: 4.5e-5, transformers' inner fp32).
+ODD_TOL = 3e-4
+
+
 @pytest.mark.parametrize("name", list(ODD))
 def test_odd_configs_match_transformers(tiny_ckpt, name: str) -> None:
     arch, overrides = ODD[name]
     diff = max_logit_diff(tiny_ckpt(arch, layout="text", tie=name.endswith("mha"), **overrides))
-    assert diff <= TOL, f"{name}: max |logit diff| {diff:.3e} > {TOL}"
+    assert diff <= ODD_TOL, f"{name}: max |logit diff| {diff:.3e} > {ODD_TOL}"
 
 
 def test_check_hf_cli_prints_and_exits_zero(tiny_ckpt) -> None:

@@ -171,7 +171,7 @@ async def resume_generation(engine_client: Any) -> None:
     await engine_client.resume_generation()
 
 
-async def worker_rpc(engine_client: Any, method: str, *args: str) -> list[Any]:
+async def worker_rpc(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """Call ``method`` on every worker (async_llm.py:1205). A method *name*, not a callable: callables
     cross the engine-core process boundary only as cloudpickle, which needs
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; names resolve through ``WorkerWrapperBase.__getattr__``

@@ -135,6 +135,7 @@ def qwen3_5_9b_dapo_math() -> Any:
         num_producers=32,
         loss=DAPOLoss.Config(eps_low=0.2, eps_high=0.28),
         batch_invariant_steps=0,
+        seeded_sampling=False,  # per-request seeds make vLLM sample those requests one by one; off at scale
         eval_every=10,  # AIME-style held-out set: jsonl/parquet of {"problem"/"prompt", "answer"}
         eval_path=os.environ.get("AIME_EVAL_PATH", ""),
         eval_items=64,

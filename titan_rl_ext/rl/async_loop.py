@@ -23,7 +23,14 @@ being trained.
   while the generator is current.
 
 Drops remain possible when groups finish out of admission order or a step advances the version by
-more than one; they are counted (``rollout/dropped_stale``), never trained on.
+more than one; they are counted (``rollout/dropped_stale``), never trained on, and handed to the
+``on_drop`` hook (the RL trainer closes their prompts in its resumable prompt ledger).
+
+With ``offpolicy=0`` (and a push after every step) the window is strictly step by step: a take admits
+nothing until the new weights are published, so the ``B`` groups of step ``k`` are exactly the ``B``
+groups admitted after the ``k-1``-th publish -- producers that draw their prompt right after
+``reserve()`` draw the prompts of step ``k`` and no others. With ``offpolicy > 0`` which groups form a
+batch depends on completion timing.
 
 Time comes from an injected clock (``ManualClock`` in tests) and versions from explicit calls, so
 tests are deterministic.
@@ -79,6 +86,8 @@ class BufferedGroup:
     started_at: float
     finished_at: float
     seq: int
+    key: Any = None
+    """The producer's label (``put(..., key=)``), e.g. the prompt's index in the prompt stream."""
 
     @property
     def mixed_versions(self) -> bool:
@@ -98,7 +107,11 @@ class TakenBatch:
 class OffPolicyWindow:
     """Rollout buffer with a staleness bound; see the module docstring for the rule."""
 
-    def __init__(self, offpolicy: int, batch_groups: int, *, initial_version: int = 0, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, offpolicy: int, batch_groups: int, *, initial_version: int = 0, clock: Clock = time.monotonic,
+        on_drop: Callable[[BufferedGroup], None] | None = None,
+    ) -> None:
+        """``on_drop(group)`` runs (on the caller's thread, synchronously) for every group dropped as stale."""
         if offpolicy < 0:
             raise ValueError(f"offpolicy must be >= 0, got {offpolicy}")
         if batch_groups <= 0:
@@ -106,6 +119,7 @@ class OffPolicyWindow:
         self.offpolicy = offpolicy
         self.batch_groups = batch_groups
         self.clock = clock
+        self.on_drop = on_drop
         self.generator_version = initial_version
         """Weights live on the generator (``publish_generator_version`` after each push)."""
         self.trainer_version = initial_version
@@ -168,13 +182,19 @@ class OffPolicyWindow:
         self._notify()
 
     def _prune(self) -> None:
-        keep = [g for g in self._buffer if self.is_fresh(g.oldest_version, self.trainer_version)]
-        self._drop(len(self._buffer) - len(keep))
+        keep: list[BufferedGroup] = []
+        stale: list[BufferedGroup] = []
+        for g in self._buffer:
+            (keep if self.is_fresh(g.oldest_version, self.trainer_version) else stale).append(g)
         self._buffer = keep
+        self._drop(stale)
 
-    def _drop(self, n: int) -> None:
-        self.dropped_stale_total += n
-        self._dropped_since_take += n
+    def _drop(self, groups: list[BufferedGroup]) -> None:
+        self.dropped_stale_total += len(groups)
+        self._dropped_since_take += len(groups)
+        if self.on_drop is not None:
+            for g in groups:
+                self.on_drop(g)
 
     # -- producers ---------------------------------------------------------------------------------
     async def reserve(self) -> Ticket:
@@ -191,8 +211,9 @@ class OffPolicyWindow:
         self._in_flight -= 1
         self._notify()
 
-    def put(self, ticket: Ticket, samples: Sequence[Sample]) -> bool:
-        """A finished group; False when it was already stale for the next take (dropped, counted)."""
+    def put(self, ticket: Ticket, samples: Sequence[Sample], key: Any = None) -> bool:
+        """A finished group; False when it was already stale for the next take (dropped, counted).
+        ``key`` travels with the group (``BufferedGroup.key``), to the batch or to ``on_drop``."""
         self._in_flight -= 1
         versions = [v for s in samples if (v := s.oldest_version) is not None]
         newest = [v for s in samples if (v := s.newest_version) is not None]
@@ -201,13 +222,13 @@ class OffPolicyWindow:
         group = BufferedGroup(
             samples=list(samples), oldest_version=oldest, newest_version=max(newest, default=oldest),
             policy_version=ticket.policy_version, started_at=ticket.started_at, finished_at=self.clock(),
-            seq=next(self._seq),
+            seq=next(self._seq), key=key,
         )
         fresh = self.is_fresh(oldest, self.trainer_version)
         if fresh:
             self._buffer.append(group)
         else:
-            self._drop(1)
+            self._drop([group])
         self._notify()
         return fresh
 

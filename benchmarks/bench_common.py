@@ -1,0 +1,254 @@
+"""Helpers shared by the issue-8 benchmarks (bi_gemm, gdn_kernels, bi_trainer_step, bi_inference).
+
+Not a script. Each benchmark imports it as a sibling module (``sys.path`` gets the benchmark's own folder), so
+``python benchmarks/X.py`` works from any directory; importing this module puts the repository root on
+``sys.path`` for ``titan_rl_ext``.
+
+- environment / output: ``environment``, ``print_header``, ``env_summary``, ``fmt_table``, ``write_json``,
+  ``json_saver``
+- timing: ``sync``, ``Timer`` (CUDA events, L2 flush, warm-up), ``two_rounds`` (the per-round medians of
+  the interleaved rounds as a row)
+- command line: ``base_parser``, ``add_timing_args``, ``resolve_device``
+- FLA: ``fla_chunk_bwd_guard`` (FLA issue #640)
+- model: ``build_slice`` (the 4-layer Qwen3.5-9B slice of bi_trainer_step and bi_inference), ``two_packings``
+  (the same sequences packed two ways, for their batch-composition checks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+if TYPE_CHECKING:
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.common.decoder import Decoder
+    from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config
+
+# --------------------------------------------------------------------------------------------------
+# command line
+
+
+def base_parser(doc: str, smoke_help: str) -> argparse.ArgumentParser:
+    """The parser every issue-8 benchmark starts from: description = the docstring's first paragraph,
+    ``--device`` (cuda when available) and ``--smoke``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    return ap
+
+
+def add_timing_args(ap: argparse.ArgumentParser, warmup: int, reps: int, max_s: float) -> None:
+    """``--warmup``, ``--reps``, ``--max-s`` (in that order) with the script's defaults."""
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--max-s", type=float, default=max_s, help="cap on one timing run (s)")
+
+
+def resolve_device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device")
+    return dev
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Timer:
+    """Per-rep milliseconds of ``fn()`` after ``warmup`` untimed calls.
+
+    CUDA: device events around each rep, each rep preceded by zeroing a 256 MiB buffer. That evicts the
+    50 MiB L2 (weights are not cache resident in a real model step either), and since the zeroing keeps
+    the GPU busy while Python enqueues the timed call, the start event is not followed by an idle gap
+    waiting for the host (the trick ``triton.testing.do_bench`` uses). CPU: ``perf_counter``.
+    ``max_s`` stops a run early once at least ``min_reps`` reps are done, so slow variants cannot eat
+    the device budget.
+    """
+
+    def __init__(self, dev: torch.device, flush_mib: int = 256) -> None:
+        self.dev = dev
+        self.flush = torch.empty(flush_mib << 20, dtype=torch.int8, device=dev) if dev.type == "cuda" else None
+
+    def run(self, fn: Callable[[], Any], warmup: int = 2, reps: int = 10, max_s: float = 5.0, min_reps: int = 1) -> list[float]:
+        for _ in range(warmup):
+            fn()
+        sync(self.dev)
+        times: list[float] = []
+        stop_at = time.perf_counter() + max_s
+        for i in range(reps):
+            if self.flush is not None:
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            if i + 1 >= min_reps and time.perf_counter() > stop_at:
+                break
+        return times
+
+
+def two_rounds(med: list[float]) -> dict[str, float]:
+    """The medians of the interleaved rounds as a row: r1 = first, r2 = last, ms = their mean, spread in %."""
+    ms = statistics.mean(med)
+    return {"ms_r1": med[0], "ms_r2": med[-1], "ms": ms, "spread_pct": 100 * abs(med[0] - med[-1]) / ms}
+
+
+# --------------------------------------------------------------------------------------------------
+# environment / output
+
+
+def environment(dev: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "device": str(dev)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:
+        info["triton"] = None
+    try:
+        info["fla_core"] = importlib.metadata.version("fla-core")
+    except Exception:
+        info["fla_core"] = None
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sm_count=p.multi_processor_count,
+                    gpu_mem_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                    tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+    else:
+        info.update(gpu=None, cpu=platform.machine(), torch_threads=torch.get_num_threads())
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                     text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        info["git"] = None
+    return info
+
+
+def print_header(title: str, env: dict[str, Any]) -> None:
+    print(f"=== {title}")
+    print("    " + "  ".join(f"{k}={v}" for k, v in env.items()))
+
+
+def env_summary(env: dict[str, Any], fla: bool = True) -> str:
+    """The device and versions part of a SUMMARY line."""
+    s = f"{env.get('gpu') or env.get('cpu')}  torch {env['torch']}  triton {env['triton']}"
+    return s + (f"  fla {env['fla_core']}" if fla else "")
+
+
+def fmt_table(rows: list[dict[str, Any]], cols: list[tuple[str, str, str]]) -> str:
+    """cols: (key, header, format spec); missing values print as '-'."""
+    def cell(r: dict[str, Any], k: str, f: str) -> str:
+        v = r.get(k)
+        return "-" if v is None else format(v, f)
+
+    cells = [[h for _, h, _ in cols]] + [[cell(r, k, f) for k, _, f in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))) for row in cells)
+
+
+def write_json(path: str, obj: Any) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1))
+
+
+def json_saver(out: str, results: dict[str, Any], t_start: float) -> Callable[[], None]:
+    """``save()``: writes ``results`` (plus ``wall_s`` since ``t_start``) to ``out`` when given, so partial
+    results survive a timeout; a no-op without ``out``."""
+    def save() -> None:
+        if out:
+            results["wall_s"] = time.perf_counter() - t_start
+            write_json(out, results)
+    return save
+
+
+# --------------------------------------------------------------------------------------------------
+# FLA issue #640 guard
+
+
+def fla_chunk_bwd_guard(override: bool, overridden: str) -> str:
+    """fla-core 0.6.0 raises in ``fla.ops.common.chunk_o.chunk_bwd_dqkwg`` when
+    ``IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1`` (FLA #640). The check reads
+    module globals at call time, so setting ``TRITON_ABOVE_3_7_1`` on that module lets the Triton kernel
+    run. Returns a status line; ``overridden`` is the line for the case where the guard was overridden."""
+    try:
+        import fla.ops.common.chunk_o as co
+    except Exception as e:  # no fla: nothing to guard
+        return f"n/a (fla not importable: {type(e).__name__})"
+    active = bool(getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
+                  and not getattr(co, "TRITON_ABOVE_3_7_1", True))
+    if not active:
+        return "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
+    if not override:
+        return "ACTIVE: FLA chunk backward refuses to run (--no-guard-override)"
+    co.TRITON_ABOVE_3_7_1 = True
+    return overridden
+
+
+# --------------------------------------------------------------------------------------------------
+# model slice
+
+
+def build_slice(dev: torch.device, smoke: bool, vocab: int | None, seed: int = 0) -> tuple[Qwen3_5Config, Decoder]:
+    """4 layers of Qwen3.5-9B (3 GDN + 1 gated attention), bf16; ``smoke``: the same structure at toy width."""
+    from titan_rl_ext.models.qwen3_5.flavors import qwen3_5_flavors
+    from titan_rl_ext.models.qwen3_5.gdn import GDNConfig
+    from titan_rl_ext.models.qwen3_5.model import hybrid_layer_types
+
+    base = qwen3_5_flavors()["qwen3_5-9b"]
+    types = hybrid_layer_types(4, 4)
+    if smoke:
+        cfg = dataclasses.replace(base, vocab_size=vocab or 512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                                  head_dim=32, ffn_dim=256, layer_types=types, gdn=GDNConfig(2, 4, 32, 32, 4))
+    else:
+        cfg = dataclasses.replace(base, vocab_size=vocab or base.vocab_size, n_layers=4, layer_types=types)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = cfg.build()
+    model.init_weights()  # fp32 init, then bf16 (A_log and rotary inv_freq stay fp32 by design)
+    return cfg, model.to(torch.bfloat16)
+
+
+FILLER_LEN = 127  # the extra sequence in front of packing B
+
+
+def two_packings(lengths: list[int], vocab: int, dev: torch.device, seed: int = 1
+                 ) -> tuple[torch.Tensor, SeqBatch, list[int], torch.Tensor, SeqBatch]:
+    """Random token sequences of ``lengths`` in two packings, for the batch-composition checks.
+
+    A: the sequences in order. B: a ``FILLER_LEN``-token filler sequence, then the same sequences rotated by
+    one (``perm``): every sequence sits at another offset and the total T (the GEMMs' M) changes, so stock
+    kernels may pick other tilings. Returns ``(tokens_a, batch_a, perm, tokens_b, batch_b)``."""
+    from titan_rl_ext.models.common.batch import SeqBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (L,), generator=gen).to(dev) for L in lengths]
+    perm = list(range(1, len(lengths))) + [0]
+    seqs_b = [torch.randint(0, vocab, (FILLER_LEN,), generator=gen).to(dev)] + [seqs[i] for i in perm]
+    return (torch.cat(seqs), SeqBatch.from_lengths([s.numel() for s in seqs], device=dev), perm,
+            torch.cat(seqs_b), SeqBatch.from_lengths([s.numel() for s in seqs_b], device=dev))

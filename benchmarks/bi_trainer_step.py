@@ -1,0 +1,361 @@
+"""Issue 8, benchmark 3 (the headline): trainer forward+backward tokens/s, batch invariance on vs off.
+
+    python benchmarks/bi_trainer_step.py [--vocab 248320] [--lengths 1000,3000,2500,1692] [--profile] [--out step.json]
+    python benchmarks/bi_trainer_step.py --smoke        # tiny slice, CPU, < 1 minute
+
+Model: a 4-layer slice of Qwen3.5-9B (3 GDN + 1 gated attention, hidden 4096, MLP 12288, bf16 weights,
+real 248320 vocabulary unless ``--vocab``), random weights. One trainer step is exactly what the RL
+losses do: ``token_logprobs`` (fp32 LM head + fp32 log-softmax) over T packed tokens of mixed-length
+sequences (default 8192 = 1000+3000+2500+1692), ``nansum``, ``backward``, grads dropped. BI on and off
+run in the same process, interleaved in two rounds (each round: median of reps) -> tokens/s and the
+ratio BI/non-BI (throughput; < 1 = BI slower).
+
+Also:
+- sanity check that BI is really on: the same sequences packed in another order, behind an extra filler
+  sequence (so T changes too), must give bit-identical per-token logprobs with BI on (exit code 1 if
+  not); the BI-off count is printed too;
+- a breakdown (``--no-breakdown`` to skip): fwd+bwd of one GDN block, the attention block and the head
+  (fp32 logits + log-softmax + backward) alone, so the largest term is visible without a profiler;
+- ``--profile``: one profiled step per mode, top-20 CUDA kernels by total time (torch.profiler), kernel
+  count and the GPU-busy fraction (kernel time / step wall time; low = launch/Python bound).
+
+Non-BI backward on Hopper: the non-BI GDN kernel is FLA's chunk form, whose backward fla-core 0.6.0
+refuses with Triton < 3.7.1 (FLA issue #640). The repo itself never runs it (BI differentiates the
+torch chunked form instead), so this script overrides FLA's guard to time the non-BI baseline and says
+so in the header; ``--no-guard-override`` leaves the guard in place (the non-BI step then fails and is
+reported as unavailable).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it also puts the repo root on sys.path)
+from bench_common import FILLER_LEN, Timer, base_parser, build_slice, env_summary, environment  # noqa: E402
+from bench_common import fla_chunk_bwd_guard, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
+from bench_common import sync, two_packings, two_rounds  # noqa: E402
+
+from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
+from titan_rl_ext.kernels.gdn import fla_available  # noqa: E402
+from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
+from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
+from titan_rl_ext.rl.logprobs import logprobs_from_logits, token_logprobs  # noqa: E402
+
+GUARD_OVERRIDDEN = "OVERRIDDEN for the non-BI baseline (FLA #640; gradient check in benchmarks/gdn_kernels.py)"
+
+# --------------------------------------------------------------------------------------------------
+# FLOP count, profiler
+
+
+def step_flops(model: Decoder, cfg: Qwen3_5Config, lengths: list[int]) -> dict[str, float]:
+    """Useful FLOPs of one fwd+bwd (bwd = 2x fwd): projections, fp32 head, causal attention core, and an
+    estimate of the GDN core (chunked form's matmuls). BI attention computes all key blocks (no causal
+    skipping), so it does about twice the attention FLOPs counted here."""
+    T = sum(lengths)
+    proj = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, nn.Linear))
+    n_attn = sum(layer.layer_type == FULL_ATTENTION for layer in model.layers)
+    g, C = cfg.gdn, 64
+    gdn_tok = g.n_v_heads * (4 * C * g.k_head_dim + C * (g.v_head_dim + g.k_head_dim) + 2 * C * g.v_head_dim
+                             + 6 * g.k_head_dim * g.v_head_dim)
+    return {
+        "projections_bf16": 3 * 2 * T * proj,
+        "lm_head_fp32": 3 * 2 * T * cfg.dim * cfg.vocab_size,
+        "attention_core": 3 * n_attn * sum(2 * L * L * cfg.n_heads * cfg.head_dim for L in lengths),
+        "gdn_core_est": 3 * (len(model.layers) - n_attn) * T * gdn_tok,
+    }
+
+
+# kernel-name keywords -> category (heuristic, first match wins)
+KERNEL_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("BI GEMM (triton _bi_mm)", ("_bi_mm_kernel",)),
+    ("BI row reduction (triton)", ("_row_sum_sq",)),
+    ("FLA recurrent", ("fused_recurrent",)),
+    ("FLA chunk", ("chunk", "wy_repr", "solve_tril", "recompute_w_u", "l2norm")),
+    ("GEMM (cuBLAS/cutlass)", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90_", "sm80_", "cublas")),
+    ("triangular solve", ("trsm", "trsv", "triangular")),
+    ("attention (SDPA)", ("flash", "fmha", "attention", "efficient")),
+    ("softmax", ("softmax",)),
+    ("memcpy/memset", ("memcpy", "memset")),
+    ("cat/copy/index", ("catarray", "cat_", "copy", "index", "gather", "scatter")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "fill")),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def profile_step(fn: Callable[[], Any], dev: torch.device, top: int = 20) -> dict[str, Any]:
+    """One profiled call of ``fn``: CUDA kernels by total time (CPU: aten ops by self time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def record(activities: list[Any]) -> tuple[Any, float]:
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            wall = time.perf_counter() - t0
+        return prof, wall
+
+    if dev.type == "cuda":
+        try:
+            prof, wall = record([ProfilerActivity.CUDA])  # kernels only: far fewer events to parse
+        except Exception:
+            prof, wall = record([ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    else:
+        prof, wall = record([ProfilerActivity.CPU])
+    t_parse = time.perf_counter()
+    items: list[tuple[str, float]]
+    if dev.type == "cuda":
+        try:  # the raw kineto events: skips building ~10^6 Python FunctionEvents and their tree (a BI step
+            # launches a few hundred thousand kernels)
+            raw = prof.profiler.kineto_results.events()
+            items = [(e.name(), (e.end_ns() - e.start_ns()) / 1e3) for e in raw if e.device_type() == DeviceType.CUDA]
+        except Exception:
+            items = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        items = [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type == DeviceType.CPU]
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in items:
+        agg[name][0] += 1
+        agg[name][1] += us
+    total_us = sum(v[1] for v in agg.values())
+    cats: dict[str, float] = defaultdict(float)
+    for name, (_, us) in agg.items():
+        cats[categorize(name)] += us
+    rows = [{"name": n, "count": int(c), "total_ms": us / 1e3, "pct": 100 * us / max(total_us, 1e-9), "avg_us": us / max(c, 1)}
+            for n, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
+    return {
+        "what": "CUDA kernels" if dev.type == "cuda" else "CPU ops (self time)",
+        "wall_ms": wall * 1e3, "kernel_total_ms": total_us / 1e3, "n_events": int(sum(v[0] for v in agg.values())),
+        "busy_pct": 100 * total_us / 1e3 / (wall * 1e3), "parse_s": time.perf_counter() - t_parse,
+        "top": rows, "categories_ms": {k: v / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def print_profile(mode: str, p: dict[str, Any]) -> None:
+    print(f"\nPROFILE {mode}: one step {p['wall_ms']:.1f} ms wall, {p['n_events']} {p['what']} totalling "
+          f"{p['kernel_total_ms']:.1f} ms (busy {p['busy_pct']:.0f}%), parsed in {p['parse_s']:.1f} s")
+    if p["what"] == "CUDA kernels":  # the keyword categories describe CUDA kernel names only
+        print("  by category (heuristic): " + ", ".join(f"{k} {v:.1f} ms" for k, v in p["categories_ms"].items()))
+    for r in p["top"]:
+        print(f"  {r['total_ms']:9.2f} ms {r['pct']:5.1f}% {r['count']:7d}x {r['avg_us']:9.1f} us  {r['name'][:110]}")
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = base_parser(__doc__, "toy-width slice, 256 tokens: CPU check")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the real 248320)")
+    ap.add_argument("--lengths", default="1000,3000,2500,1692", help="packed sequence lengths")
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per round (2 rounds per mode)")
+    ap.add_argument("--max-s", type=float, default=25.0, help="cap on one timing run (s)")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="skip breakdown/profile once past this (s)")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="top-20 CUDA kernels of one step per mode")
+    ap.add_argument("--no-guard-override", action="store_true", help="leave FLA's #640 guard in place")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    dev = resolve_device(ap, args)
+    lengths = [24, 60, 40, 28] if args.smoke else [int(n) for n in args.lengths.split(",")]
+    if args.smoke:
+        args.reps, args.max_s = 1, 5.0
+    T = sum(lengths)
+    uses_fla = dev.type == "cuda" and fla_available()
+    guard = fla_chunk_bwd_guard(not args.no_guard_override, GUARD_OVERRIDDEN) if uses_fla else "n/a (FLA not used)"
+    env = environment(dev)
+    env["fla_chunk_bwd_guard"] = guard
+
+    cfg, model = build_slice(dev, args.smoke, args.vocab)
+    n_params = sum(p.numel() for p in model.parameters())
+    print_header(f"bi_trainer_step: {len(model.layers)}-layer Qwen3.5-9B slice ({'toy width' if args.smoke else 'real width'}), "
+                 f"vocab {cfg.vocab_size}, {n_params / 1e9:.2f} B params bf16, T={T} packed from {lengths}", env)
+    print(f"    GDN kernels: BI = recurrent {'FLA' if uses_fla else 'torch'} fwd + torch chunked bwd; "
+          f"non-BI = chunk {'FLA' if uses_fla else 'torch'} fwd+bwd.  FLA #640 guard: {guard}", flush=True)
+    results: dict[str, Any] = {"env": env, "args": vars(args), "lengths": lengths, "vocab": cfg.vocab_size,
+                               "params": n_params, "flops": step_flops(model, cfg, lengths)}
+    save = json_saver(args.out, results, t_start)
+
+    # packing A (timed) and packing B (the order check, below)
+    toks, batch, perm, toks2, batch2 = two_packings(lengths, cfg.vocab_size, dev)
+    order = list(range(len(lengths)))
+
+    def train_step() -> None:
+        lp = token_logprobs(model, toks, batch)
+        lp.nansum().backward()
+        model.zero_grad(set_to_none=True)
+
+    modes = {"bi": True, "nonbi": False}
+
+    # ---- sanity: another batch composition -> BI logprobs bit-identical (also warms up every kernel) -------
+    # Packing B = a 127-token filler sequence, then the same sequences rotated: every sequence sits at
+    # another offset and the total T (the GEMMs' M) changes, so stock kernels may pick other tilings.
+    start_b = {i: FILLER_LEN + sum(lengths[j] for j in perm[: perm.index(i)]) for i in order}
+    lp_by_mode: dict[str, torch.Tensor] = {}
+    check: dict[str, Any] = {"order_a": order, "order_b": [f"filler{FILLER_LEN}"] + perm}
+    for mode, on in modes.items():
+        with torch.no_grad(), batch_invariant(on):
+            lp_a = token_logprobs(model, toks, batch)
+            lp_b_packed = token_logprobs(model, toks2, batch2)
+        lp_b = torch.cat([lp_b_packed[start_b[i]: start_b[i] + lengths[i]] for i in order])  # back to packing A
+        valid = ~lp_a.isnan()
+        diff = (lp_a[valid] - lp_b[valid]).abs()
+        check[mode] = {"tokens": int(valid.sum()), "differing": int((diff != 0).sum()), "max_abs_diff": diff.max().item(),
+                       "nan_pattern_equal": bool(torch.equal(lp_a.isnan(), lp_b.isnan())),
+                       "finite": bool(torch.isfinite(lp_a[valid]).all())}
+        lp_by_mode[mode] = lp_a
+        del lp_a, lp_b, lp_b_packed
+    v = ~lp_by_mode["bi"].isnan()
+    check["bi_vs_nonbi_max_abs_diff"] = (lp_by_mode["bi"][v] - lp_by_mode["nonbi"][v]).abs().max().item()
+    del lp_by_mode
+    bi_ok = check["bi"]["differing"] == 0 and check["bi"]["nan_pattern_equal"] and check["bi"]["finite"]
+    results["order_check"] = check
+    print(f"order check (sequences packed {order} vs {check['order_b']}): BI on {check['bi']['differing']}/{check['bi']['tokens']} "
+          f"logprobs differ ({'OK, bit-identical' if bi_ok else 'FAIL'}); BI off {check['nonbi']['differing']}/"
+          f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}); "
+          f"BI vs non-BI max |diff| {check['bi_vs_nonbi_max_abs_diff']:.2e}", flush=True)
+    save()
+
+    # ---- headline: full trainer step, two interleaved rounds per mode -----------------------------------
+    timer = Timer(dev)
+    med: dict[str, list[float]] = {m: [] for m in modes}
+    peak: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for rnd in range(2):
+        for mode, on in modes.items():
+            if mode in errors:
+                continue
+            if dev.type == "cuda" and rnd == 0:
+                torch.cuda.reset_peak_memory_stats(dev)
+            try:
+                with batch_invariant(on):
+                    t = timer.run(train_step, warmup=1 if rnd == 0 else 0, reps=args.reps, max_s=args.max_s)
+            except RuntimeError as e:  # e.g. FLA's #640 guard left in place
+                errors[mode] = str(e).splitlines()[0][:200]
+                model.zero_grad(set_to_none=True)
+                print(f"  {mode}: step failed: {errors[mode]}", flush=True)
+                continue
+            if dev.type == "cuda" and rnd == 0:
+                peak[mode] = torch.cuda.max_memory_allocated(dev) / 2**30
+            med[mode].append(statistics.median(t))
+            print(f"  round {rnd + 1} {mode:<6} {med[mode][-1]:10.1f} ms/step  ({len(t)} reps: "
+                  + ", ".join(f"{x:.0f}" for x in t) + ")", flush=True)
+    flops = results["flops"]
+    useful = sum(flops.values())
+    rows = []
+    for mode in modes:
+        if not med[mode]:
+            rows.append({"mode": mode, "error": errors.get(mode)})
+            continue
+        r = two_rounds(med[mode])
+        ms = r["ms"]
+        rows.append({"mode": mode, **r, "tokens_per_s": T / ms * 1e3,
+                     "useful_tflops": useful / ms / 1e9, "peak_gib": peak.get(mode)})
+    results["step"] = rows
+    ratio = (rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]) if all("ms" in r for r in rows) else None
+    results["ratio_bi_over_nonbi_throughput"] = ratio
+    save()
+
+    # ---- breakdown: each component's fwd+bwd alone ------------------------------------------------------
+    breakdown: list[dict[str, Any]] = []
+    if not args.no_breakdown:
+        rope = model.rope(batch.positions, torch.bfloat16)
+        x_gen = torch.Generator(device=dev).manual_seed(2)
+        x0 = (torch.randn(T, cfg.dim, device=dev, generator=x_gen) * 0.5).bfloat16()
+        gy = torch.randn(T, cfg.dim, device=dev, generator=x_gen).bfloat16()
+        head_tok = toks.roll(-1)
+
+        def block(i: int) -> Callable[[], None]:
+            def run() -> None:
+                x = x0.detach().requires_grad_(True)
+                y, _ = model.layers[i](x, batch, rope, None)
+                y.backward(gy)
+                model.zero_grad(set_to_none=True)
+            return run
+
+        def head() -> None:
+            h = model.norm(x0.detach().requires_grad_(True))
+            lp = logprobs_from_logits(model.logits(h, fp32=True))
+            lp.gather(1, head_tok[:, None]).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        first = {t: next(i for i, layer in enumerate(model.layers) if layer.layer_type == t)
+                 for t in {layer.layer_type for layer in model.layers}}
+        n_of = {t: sum(layer.layer_type == t for layer in model.layers) for t in first}
+        label = {LINEAR_ATTENTION: "GDN block", FULL_ATTENTION: "attention block"}
+        parts = {f"{label[t]} (x{n_of[t]})": (block(i), n_of[t]) for t, i in sorted(first.items(), key=lambda kv: kv[1])}
+        parts["head: norm + fp32 logits + log_softmax (x1)"] = (head, 1)
+        for mode, on in modes.items():
+            if mode in errors:
+                continue
+            est = statistics.mean(med[mode]) / 1e3 * 3.5  # 3 calls per part (warm-up + 1 rep per round) ~ 3 steps
+            if time.perf_counter() - t_start + est > args.budget_s:
+                print(f"  breakdown {mode}: skipped (budget)")
+                continue
+            for part, (fn, count) in parts.items():
+                m_: list[float] = []
+                for rnd in range(2):
+                    with batch_invariant(on):
+                        m_.append(statistics.median(timer.run(fn, warmup=1 if rnd == 0 else 0, reps=1)))
+                breakdown.append({"mode": mode, "part": part, "ms_r1": m_[0], "ms_r2": m_[1], "ms_each": statistics.mean(m_),
+                                  "ms_total": statistics.mean(m_) * count,
+                                  "pct_of_step": 100 * statistics.mean(m_) * count / statistics.mean(med[mode])})
+                print(f"  breakdown {mode:<6} {part:<44} {m_[0]:9.1f} / {m_[1]:9.1f} ms", flush=True)
+        results["breakdown"] = breakdown
+        save()
+
+    # ---- summary (printed before profiling, so a timeout during the profile loses nothing) ---------------
+    print(f"\nSUMMARY bi_trainer_step  {env_summary(env)}")
+    print(f"    4-layer Qwen3.5-9B slice (3 GDN + 1 gated attn, hidden {cfg.dim}), vocab {cfg.vocab_size}, bf16 weights, "
+          f"fp32 head; T={T} packed {lengths}; token_logprobs -> nansum -> backward")
+    print(f"    GDN: BI = recurrent {'FLA' if uses_fla else 'torch'} fwd + torch chunked bwd; non-BI = chunk "
+          f"{'FLA' if uses_fla else 'torch'} fwd+bwd. FLA #640 guard: {guard}")
+    print(fmt_table(rows, [("mode", "mode", ""), ("ms_r1", "r1 ms/step", ".1f"), ("ms_r2", "r2 ms/step", ".1f"),
+                           ("spread_pct", "spread%", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),
+                           ("useful_tflops", "useful TF/s", ".1f"), ("peak_gib", "peak GiB", ".1f"), ("error", "error", "")]))
+    print("    useful FLOPs/step: " + ", ".join(f"{k} {v / 1e12:.2f} T" for k, v in flops.items()))
+    if ratio is not None:
+        print(f"RATIO BI/non-BI throughput = {ratio:.3f}  (BI step {1 / ratio:.2f}x the time of the non-BI step)")
+    print(f"BI order check: {'PASS' if bi_ok else 'FAIL'} ({check['bi']['differing']}/{check['bi']['tokens']} differ); "
+          f"non-BI: {check['nonbi']['differing']}/{check['nonbi']['tokens']} differ")
+    if breakdown:
+        print("breakdown (fwd+bwd of each part alone; pct = part x count / full step):")
+        print(fmt_table(breakdown, [("mode", "mode", ""), ("part", "part", ""), ("ms_r1", "r1 ms", ".1f"),
+                                    ("ms_r2", "r2 ms", ".1f"), ("ms_total", "x count ms", ".1f"), ("pct_of_step", "% step", ".0f")]))
+    save()
+
+    # ---- profile: the cheap mode first, each only if the budget allows ----------------------------------
+    if args.profile:
+        profiles: dict[str, Any] = {}
+        for mode in sorted((m for m in modes if m not in errors), key=lambda m: statistics.mean(med[m])):
+            est = statistics.mean(med[mode]) / 1e3 * 3 + 10  # profiled step (slower) + trace processing
+            if time.perf_counter() - t_start + est > args.budget_s + 30:
+                print(f"\nPROFILE {mode}: skipped (budget: ~{est:.0f} s needed)")
+                continue
+            with batch_invariant(modes[mode]):
+                profiles[mode] = profile_step(train_step, dev)
+            print_profile(mode, profiles[mode])
+            results["profile"] = profiles
+            save()
+    print(f"wall {time.perf_counter() - t_start:.1f} s" + (f"; wrote {args.out}" if args.out else ""))
+    return 0 if bi_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

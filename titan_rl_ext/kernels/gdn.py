@@ -261,7 +261,8 @@ class _RecurrentForwardChunkBackward(torch.autograd.Function):
         q, k, v, g, beta, s0, cu = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in (q, k, v, g, beta, s0)]
         with torch.enable_grad():
-            # FLA's chunk backward is used where it runs; the torch chunked form everywhere else
+            # always the torch chunked form: FLA's chunk backward is refused on Hopper with Triton < 3.7.1
+            # (FLA issue #640, wrong results); switching to it where it is safe is issue 8's work
             o, final = chunk_gated_delta_rule_torch(*inputs[:5], cu, ctx.scale, inputs[5])
             outs, grads_in = [o], [d_o]
             if d_final is not None:

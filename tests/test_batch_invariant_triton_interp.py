@@ -4,8 +4,9 @@ under the Triton interpreter and checked against the torch references.
 ``TRITON_INTERPRET=1`` must be set before a kernel is defined, and must not leak into other tests, so
 the checks run in a subprocess (this file executed as a script). Skipped where triton is missing.
 
-Interpreter caveats (not properties of the GPU kernels): its numpy ``dot`` mishandles bf16, so on
-CPU tensors the GEMM upcasts tiles to fp32 before the dot (exact: bf16/fp16 products fit in fp32); and
+Interpreter caveats (not properties of the GPU kernels): its numpy ``dot`` mishandles bf16, and numpy's
+BLAS (OpenBLAS AVX2) rounds a row differently at different positions in a tile, so on CPU tensors the GEMM
+takes a float64 dot per K block, rounded once to the fp32 accumulator; and
 its fp32 -> bf16 cast truncates instead of rounding to nearest, so bf16 outputs are checked to one
 bf16 ulp rather than half an ulp.
 """

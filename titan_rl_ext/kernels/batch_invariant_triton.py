@@ -80,10 +80,14 @@ def _bi_mm_kernel(
                 b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn,
                 mask=mask_k[:, None] & mask_n[None, :], other=0.0,
             )
-            if UPCAST:  # interpreter only: its numpy dot mishandles bf16 (exact: bf16 products fit fp32)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if UPCAST:
+                # interpreter only (CPU tensors): its numpy dot mishandles bf16, and numpy's BLAS does not
+                # round a row the same at every position in a tile (OpenBLAS' AVX2 kernels); a float64 dot
+                # rounded once per K block to the fp32 accumulator is exact for bf16/fp16 products and
+                # position-independent for fp32 ones, so the checks see the kernel's tiling, not the BLAS
+                acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         tl.store(
             c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
             acc.to(c_ptr.dtype.element_ty),

@@ -140,15 +140,14 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
     """Open the sender's CUDA IPC handles, check names/shapes/dtypes and finiteness of *every* tensor,
     then copy device to device. Returns ``{"num_tensors": n}`` or ``{"problems": [...], "tensors": [...]}``
     with nothing copied."""
-    from titan_rl_ext.rl.cuda_ipc import import_tensors, manifest_spec
+    from titan_rl_ext.rl.cuda_ipc import import_tensors
 
     params = _titan_params(worker)
     if any(p.device.type != "cuda" for p in params.values()):
         return {"problems": ["transport=cuda_ipc needs a generator on CUDA; this one serves on "
                              f"{next(iter(params.values())).device.type} (use the default safetensors transport)"],
                 "tensors": [], "status": 400}
-    got = {n: [_ST_DTYPE.get(dt, str(dt)), shape] for n, (dt, shape) in manifest_spec(manifest).items()}
-    problems = _spec_problems(_spec_of(params), got)
+    problems = _spec_problems(_spec_of(params), _manifest_spec(manifest))
     if problems:
         return {"problems": problems, "tensors": [], "status": 422}
     tensors = import_tensors(manifest)
@@ -185,6 +184,13 @@ class PushRejected(Exception):
         self.status, self.message, self.tensors = status, message, tensors or []
 
 
+def _manifest_spec(manifest: dict[str, Any]) -> dict[str, list[Any]]:
+    """A CUDA IPC manifest's [safetensors dtype, shape] per name (``ValueError`` on a malformed one)."""
+    from titan_rl_ext.rl.cuda_ipc import manifest_spec
+
+    return {n: [_ST_DTYPE.get(dt, str(dt)), shape] for n, (dt, shape) in manifest_spec(manifest).items()}
+
+
 def _file_spec(f: Any) -> dict[str, list[Any]]:
     out = {}
     for name in f.keys():
@@ -213,6 +219,14 @@ def _spec_problems(expected: dict[str, list[Any]], got: dict[str, list[Any]]) ->
     if dtype:
         problems.append(f"wrong dtype: {_names(dtype)}")
     return problems
+
+
+def _check_spec(expected: dict[str, list[Any]], got: dict[str, list[Any]]) -> None:
+    """``PushRejected(422)`` naming every missing, extra or mismatched tensor."""
+    problems = _spec_problems(expected, got)
+    if problems:
+        bad = sorted((set(expected) ^ set(got)) | {n for n in set(expected) & set(got) if got[n] != expected[n]})
+        raise PushRejected(422, "; ".join(problems), bad)
 
 
 def _duplicate_names(path: str) -> list[str]:
@@ -248,10 +262,7 @@ def validate_payload(path: str, expected: dict[str, list[Any]]) -> int:
         if dups := _duplicate_names(path):
             # the format forbids them, and two readers could pick different entries
             raise PushRejected(400, f"payload is not a valid safetensors file: duplicate tensor names: {_names(dups)}", dups)
-        problems = _spec_problems(expected, got)
-        if problems:
-            bad = sorted((set(expected) ^ set(got)) | {n for n in set(expected) & set(got) if got[n] != expected[n]})
-            raise PushRejected(422, "; ".join(problems), bad)
+        _check_spec(expected, got)
         nonfinite = []
         for name, (dt, _) in got.items():
             if dt in _FLOAT_ST and not bool(torch.isfinite(f.get_tensor(name)).all()):
@@ -438,7 +449,7 @@ def _make_router(state: SwapState) -> Any:
                 t0 = time.perf_counter()
                 num = await asyncio.to_thread(validate_payload, path, spec)
                 validate_s = time.perf_counter() - t0
-                swap_s, _ = await _swap(state, engine, "titan_load_weights", path, version, keep_cache=(mode == "keep"))
+                swap_s = await _swap(state, engine, "titan_load_weights", path, version, keep_cache=(mode == "keep"))
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
             return _error(e.status, e.message, e.tensors)
@@ -459,10 +470,10 @@ def _make_router(state: SwapState) -> Any:
     return router
 
 
-async def _swap(state: SwapState, engine: Any, method: str, arg: Any, version: int, keep_cache: bool) -> tuple[float, list[Any]]:
+async def _swap(state: SwapState, engine: Any, method: str, arg: Any, version: int, keep_cache: bool) -> float:
     """Pause, run the worker loader ``method(arg)`` in every worker, bump the version, resume; returns the
-    seconds paused and the workers' answers. A worker answering ``{"problems": ...}`` copied nothing:
-    the version stays and the push is rejected."""
+    seconds paused. A worker answering ``{"problems": ...}`` copied nothing: the version stays and the
+    push is rejected (``PushRejected``)."""
     t0 = time.perf_counter()
     state.idle.clear()  # new generation requests wait in the middleware: they get the new salt
     try:
@@ -478,7 +489,7 @@ async def _swap(state: SwapState, engine: Any, method: str, arg: Any, version: i
             await compat.resume_generation(engine)
     finally:
         state.idle.set()
-    return time.perf_counter() - t0, results
+    return time.perf_counter() - t0
 
 
 MAX_MANIFEST_BYTES = 64 << 20
@@ -487,8 +498,6 @@ MAX_MANIFEST_BYTES = 64 << 20
 async def _push_cuda_ipc(state: SwapState, engine: Any, request: Request, spec: dict[str, list[Any]], version: int,
                          mode: str) -> Any:
     """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.rl.cuda_ipc``)."""
-    from titan_rl_ext.rl.cuda_ipc import manifest_spec
-
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -498,18 +507,15 @@ async def _push_cuda_ipc(state: SwapState, engine: Any, request: Request, spec: 
         manifest = json.loads(body)
         if not isinstance(manifest, dict):
             raise ValueError("the manifest must be a JSON object")
-        got = {n: [_ST_DTYPE.get(dt, str(dt)), shape] for n, (dt, shape) in manifest_spec(manifest).items()}
+        got = _manifest_spec(manifest)
     except ValueError as e:
         return _error(400, f"invalid CUDA IPC manifest: {e}")
-    problems = _spec_problems(spec, got)
-    if problems:
-        bad = sorted((set(spec) ^ set(got)) | {n for n in set(spec) & set(got) if got[n] != spec[n]})
-        return _error(422, "; ".join(problems), bad)
     try:
+        _check_spec(spec, got)
         async with state.lock:
             if version <= state.version:
                 return _error(409, f"version {version} is not greater than the current version {state.version}")
-            swap_s, _ = await _swap(state, engine, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep"))
+            swap_s = await _swap(state, engine, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep"))
     except PushRejected as e:
         logger.warning("titan weight push v%d (cuda_ipc) rejected (%d): %s", version, e.status, e.message[:500])
         return _error(e.status, e.message, e.tensors)

@@ -16,6 +16,30 @@ import torch
 from titan_rl_ext.kernels import ops
 
 
+def _check_args(
+    x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[int, int, int, int]:
+    """Shapes of both implementations' inputs; returns ``T, C, W, N``."""
+    if x_TC.dim() != 2 or weight_CW.dim() != 2 or weight_CW.shape[0] != x_TC.shape[1]:
+        raise ValueError(f"expected x [T, C] and weight [C, W]; got {tuple(x_TC.shape)}, {tuple(weight_CW.shape)}")
+    T, C = x_TC.shape
+    W = weight_CW.shape[1]
+    N = cu_seqlens.numel() - 1
+    if x_TC.device.type == "cpu" and int(cu_seqlens[-1]) != T:  # on GPU this check would cost a host sync
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, expected T={T}")
+    if initial_state is not None and initial_state.shape != (N, W - 1, C):
+        raise ValueError(f"conv state must be [N, W-1, C]={[N, W - 1, C]}; got {tuple(initial_state.shape)}")
+    return T, C, W, N
+
+
+def _activate(y_TC: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation == "silu":
+        return ops.silu(y_TC)
+    if activation is not None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    return y_TC
+
+
 def causal_conv1d_reference(
     x_TC: torch.Tensor,
     weight_CW: torch.Tensor,
@@ -24,16 +48,10 @@ def causal_conv1d_reference(
     initial_state: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if x_TC.dim() != 2 or weight_CW.dim() != 2 or weight_CW.shape[0] != x_TC.shape[1]:
-        raise ValueError(f"expected x [T, C] and weight [C, W]; got {tuple(x_TC.shape)}, {tuple(weight_CW.shape)}")
-    T, C = x_TC.shape
-    W = weight_CW.shape[1]
+    T, C, W, N = _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
     bounds = cu_seqlens.tolist()
-    N = len(bounds) - 1
-    if bounds[-1] != T:
+    if bounds[-1] != T:  # _check_args skips this on GPU; the loop reads the bounds anyway
         raise ValueError(f"cu_seqlens ends at {bounds[-1]}, expected T={T}")
-    if initial_state is not None and initial_state.shape != (N, W - 1, C):
-        raise ValueError(f"conv state must be [N, W-1, C]={[N, W - 1, C]}; got {tuple(initial_state.shape)}")
     ys, states = [], []
     for n in range(N):
         xs = x_TC[bounds[n] : bounds[n + 1]]
@@ -57,10 +75,7 @@ def causal_conv1d_reference(
             y = y + bias_C
         ys.append(y)
     y_TC = torch.cat(ys, dim=0) if ys else x_TC.new_zeros(0, C)
-    if activation == "silu":
-        y_TC = ops.silu(y_TC)
-    elif activation is not None:
-        raise ValueError(f"unsupported activation {activation!r}")
+    y_TC = _activate(y_TC, activation)
     final = torch.stack(states) if states else x_TC.new_zeros(0, W - 1, C)
     return y_TC, final
 
@@ -75,15 +90,7 @@ def causal_conv1d_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All sequences at once: their states and tokens are laid out back to back in one buffer
     (``[state_0, x_0, state_1, x_1, ...]``), so tap ``j`` of every token is one gather."""
-    if x_TC.dim() != 2 or weight_CW.dim() != 2 or weight_CW.shape[0] != x_TC.shape[1]:
-        raise ValueError(f"expected x [T, C] and weight [C, W]; got {tuple(x_TC.shape)}, {tuple(weight_CW.shape)}")
-    T, C = x_TC.shape
-    W = weight_CW.shape[1]
-    N = cu_seqlens.numel() - 1
-    if initial_state is not None and initial_state.shape != (N, W - 1, C):
-        raise ValueError(f"conv state must be [N, W-1, C]={[N, W - 1, C]}; got {tuple(initial_state.shape)}")
-    if x_TC.device.type == "cpu" and int(cu_seqlens[-1]) != T:  # on GPU this check would cost a host sync
-        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, expected T={T}")
+    T, C, W, N = _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
     dev = x_TC.device
     cu = cu_seqlens.to(device=dev, dtype=torch.long)
     seq_T = torch.repeat_interleave(torch.arange(N, device=dev), cu[1:] - cu[:-1], output_size=T)
@@ -102,10 +109,7 @@ def causal_conv1d_torch(
         y_TC = y_TC + buf[first_T + j] * weight_CW[:, j]
     if bias_C is not None:
         y_TC = y_TC + bias_C
-    if activation == "silu":
-        y_TC = ops.silu(y_TC)
-    elif activation is not None:
-        raise ValueError(f"unsupported activation {activation!r}")
+    y_TC = _activate(y_TC, activation)
     end_N = cu[1:] + (torch.arange(N, device=dev) + 1) * (W - 1)
     final = buf[(end_N[:, None] - (W - 1) + taps).reshape(-1)].view(N, W - 1, C)
     return y_TC, final

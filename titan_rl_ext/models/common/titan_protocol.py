@@ -97,14 +97,12 @@ def parallelize_titan(model: TitanDecoder, *, parallel_dims: Any, **kwargs: Any)
     unsupported = [n for n in ("tp", "cp", "pp", "ep", "dp_replicate") if getattr(parallel_dims, f"{n}_enabled", False)]
     if unsupported:
         raise NotImplementedError(f"titan models support FSDP data parallelism only; got {unsupported}")
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     # torchtitan 0.3 names the sharding axis by backend: the legacy path folds it into "fsdp", the
     # full_dtensor/spmd_types paths keep "dp_shard" (no cp/tp here, so it is the whole data-parallel axis)
     legacy = getattr(parallel_dims, "spmd_backend", None) not in ("full_dtensor", "spmd_types")
     mesh = parallel_dims.get_mesh("fsdp" if legacy else "dp_shard")
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

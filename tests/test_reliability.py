@@ -5,9 +5,11 @@ What ``test_weight_swap.py`` does not cover yet, against one real OpenAI API ser
 
 - pushers killed (SIGKILL) in the middle of a push, and once right after the whole body: the weights,
   the version, the staging files in /dev/shm, the server's connections and its memory afterwards;
-- 64 concurrent streaming completions while 6 swaps land (alternating ``recompute``/``keep``): nothing
-  lost, every chunk tagged, versions monotone per request, and every token whose context was computed
-  with a single weight version has exactly the logprob the trainer recomputes with that version (BI);
+- 64 concurrent streaming completions (kept at 64 until the last swap has landed) while 6 swaps land
+  (``recompute`` and ``keep``): nothing lost, every chunk tagged, versions monotone per request, and every
+  token of 64 replayed requests has exactly the logprob the trainer's model gives when it replays the
+  request as the engine ran it (BI): recomputed with the new weights after ``recompute``, continuing on
+  the old weights' KV/GDN state after ``keep``;
 - malformed / hostile requests to the OpenAI routes and to the push route: a 4xx naming the problem,
   the engine stays up and answers exactly as before.
 
@@ -21,6 +23,7 @@ import asyncio
 import collections
 import glob
 import json
+import multiprocessing
 import os
 import signal
 import struct
@@ -30,6 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -353,10 +357,56 @@ def _push_outcome(s: Server, log_from: int, version: int) -> str | None:
 
 # -- 2. load: 64 streams across 6 swaps --------------------------------------------------------------------
 LOAD_REQUESTS = 64
-LOAD_TOKENS = 128
+LOAD_TOKENS = 128  # the shortest stream; request i asks for LOAD_TOKENS + _extra_tokens(i)
 SWAP_MODES = ("recompute", "keep", "recompute", "keep", "recompute", "recompute")
-TOKENS_BETWEEN_SWAPS = 6  # per request on average, as seen by the clients, before the next swap
-SPOT_CHECK = LOAD_REQUESTS  # requests recomputed by the trainer (every one: ~10 s)
+TOKENS_BETWEEN_SWAPS = 6  # per request on average, tagged with the current version, before the next swap
+SPOT_CHECK = LOAD_REQUESTS  # requests recomputed by the trainer (~3 s)
+
+
+def _push_from_child(pusher: WeightPusher, payload: bytes, version: int, mode: str) -> list[dict[str, Any]]:
+    """Runs in a child process, so the push does not wait for this process's GIL behind the SSE parsing
+    of the streams."""
+    return pusher.push_payload(payload, version, mode)
+
+
+def _child_ready() -> int:
+    return os.getpid()
+
+
+def _replay_request(model: Any, weights: dict[int, dict[str, torch.Tensor]], modes: dict[int, str],
+                    prompt: list[int], tokens: list[int], versions: list[int]) -> tuple[list[float], list[bool]]:
+    """The logprob of each sampled token as the engine computed it, replayed with the titan inference-state
+    path (call under BI): the step that sampled token ``t`` ran on the weights of version ``versions[t]``
+    and processed position ``len(prompt) + t - 1``. A "recompute" swap since the previous token means the
+    engine recomputed the whole context with the new weights in that step; after a "keep" swap it went on
+    with the KV/GDN state computed by the old weights. Runs of tokens of one version are one chunk (BI:
+    a chunk equals its tokens one at a time). Also returns, per token, whether its context mixes versions."""
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.rl.logprobs import logprobs_from_logits
+
+    x, n_prompt, n = prompt + tokens, len(prompt), len(tokens)
+    out: list[float] = []
+    mixed: list[bool] = []
+    states, done, context_versions = None, 0, set()
+    t = 0
+    while t < n:
+        v = versions[t]
+        u = t
+        while u + 1 < n and versions[u + 1] == v:
+            u += 1
+        if t == 0 or any(modes.get(w) == "recompute" for w in range(versions[t - 1] + 1, v + 1)):
+            states, done, context_versions = model.init_states(1), 0, set()
+        model.load_state_dict(weights[v])
+        context_versions.add(v)
+        end = n_prompt + u  # positions done..end-1 now; position n_prompt + k - 1 predicts token k
+        batch = SeqBatch.from_lengths([end - done], start_positions=[done])
+        h, states = model.hidden(torch.tensor(x[done:end]), batch, states)
+        lp = logprobs_from_logits(model.logits(h, fp32=True))
+        for k in range(t, u + 1):
+            out.append(lp[n_prompt + k - 1 - done, tokens[k]].item())
+            mixed.append(len(context_versions) > 1)
+        done, t = end, u + 1
+    return out, mixed
 
 
 @dataclass
@@ -366,14 +416,22 @@ class Stream:
     chunks: list[dict[str, Any]]
     done: bool  # [DONE] received
     error: str = ""
+    max_tokens: int = 0
 
 
-async def _stream_one(s: Server, client: Any, prompt: list[int], on_chunk: Callable[[int, bool], None]) -> Stream:
+def _extra_tokens(i: int) -> int:
+    # Staggered lengths: streams started together must not all end together, or a swap can land in the
+    # gap between one wave of streams and the next, straddled by none.
+    return (i * 37) % 64
+
+
+async def _stream_one(s: Server, client: Any, prompt: list[int], max_tokens: int,
+                      on_chunk: Callable[[int, bool, int], None]) -> Stream:
     from titan_rl_ext.rl.rollout import parse_sse_line
 
-    body = {"model": s.model, "prompt": prompt, "max_tokens": LOAD_TOKENS, "temperature": 1.0, "ignore_eos": True,
+    body = {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
             "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
-    out = Stream(prompt, 0, [], False)
+    out = Stream(prompt, 0, [], False, max_tokens=max_tokens)
     try:
         async with client.stream("POST", f"{s.base}/v1/completions", json=body) as r:
             out.status = r.status_code
@@ -389,7 +447,7 @@ async def _stream_one(s: Server, client: Any, prompt: list[int], on_chunk: Calla
                     break
                 out.chunks.append(item)
                 n = sum(len(c.get("token_ids") or ()) for c in item.get("choices") or ())
-                on_chunk(n, len(out.chunks) == 1)
+                on_chunk(n, len(out.chunks) == 1, item.get(VERSION_FIELD, -1))
     except Exception as e:  # noqa: BLE001 - reported by the test
         out.error = f"{type(e).__name__}: {e}"
     return out
@@ -408,12 +466,16 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
     modes: dict[int, str] = {}
     progress = {"started": 0, "tokens": 0, "finished": 0}
     cond = threading.Condition()
+    swaps_done = threading.Event()
     swap_errors: list[BaseException] = []
     swap_results: list[dict[str, Any]] = []
 
-    def on_chunk(n_tokens: int, first: bool) -> None:
+    tokens_of: collections.Counter[int] = collections.Counter()  # version -> tokens received with that tag
+
+    def on_chunk(n_tokens: int, first: bool, version: int) -> None:
         with cond:
             progress["tokens"] += n_tokens
+            tokens_of[version] += n_tokens
             progress["started"] += first
             cond.notify_all()
 
@@ -422,37 +484,55 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
             with cond:  # every request is streaming before the first swap (or some failed: reported below)
                 cond.wait_for(lambda: LOAD_REQUESTS in (progress["started"], progress["finished"]), timeout=300)
             for k, mode in enumerate(SWAP_MODES, start=1):
-                with cond:
-                    target = progress["tokens"] + LOAD_REQUESTS * TOKENS_BETWEEN_SWAPS
-                    # (or every request is done: then the swaps come too late and the checks below fail)
-                    cond.wait_for(lambda: progress["tokens"] >= target or progress["finished"] == LOAD_REQUESTS,
-                                  timeout=120)
+                with cond:  # counted by tag: on a busy machine the clients read tokens of older versions late
+                    cond.wait_for(lambda: tokens_of[v0 + k - 1] >= LOAD_REQUESTS * TOKENS_BETWEEN_SWAPS, timeout=120)
                 sd = _scaled(server.reference, k)
                 weights[v0 + k], modes[v0 + k] = sd, mode
-                swap_results.extend(server.pusher.push(sd, v0 + k, mode=mode))
+                swap_results.extend(pusher.submit(_push_from_child, server.pusher, serialize(sd), v0 + k, mode).result())
         except BaseException as e:  # noqa: BLE001 - surfaced below
             swap_errors.append(e)
+        finally:
+            swaps_done.set()
 
-    prompts = [_prompt(8 + i % 17, seed=1000 + i) for i in range(LOAD_REQUESTS)]
-
-    async def one(client: Any, prompt: list[int]) -> Stream:
-        st = await _stream_one(server, client, prompt, on_chunk)
+    async def one(client: Any, prompt: list[int], max_tokens: int) -> Stream:
+        st = await _stream_one(server, client, prompt, max_tokens, on_chunk)
         with cond:
             progress["finished"] += 1
             cond.notify_all()
         return st
 
     async def run_all() -> list[Stream]:
+        """LOAD_REQUESTS streams at all times until the last swap has landed: a finished stream is replaced
+        by a new one. On a loaded 2-core machine a push can reach the endpoint seconds after it was sent
+        (the API server is busy streaming), so a fixed set of streams could end before the last swap."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=LOAD_REQUESTS)
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=30.0), limits=limits) as client:
-            return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+            tasks: list[asyncio.Task[Stream]] = []
 
-    th = threading.Thread(target=swapper)
-    t0 = time.perf_counter()
-    th.start()
-    streams = asyncio.run(run_all())
-    th.join(timeout=300)
-    gen_s = time.perf_counter() - t0
+            def launch() -> None:
+                i = len(tasks)
+                tasks.append(asyncio.create_task(one(client, _prompt(8 + i % 17, seed=1000 + i),
+                                                     LOAD_TOKENS + _extra_tokens(i))))
+
+            for _ in range(LOAD_REQUESTS):
+                launch()
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if not swaps_done.is_set():
+                    for _ in done:
+                        launch()
+                        pending.add(tasks[-1])
+            return [t.result() for t in tasks]
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pusher:
+        pusher.submit(_child_ready).result()  # the child has imported this module before the load starts
+        th = threading.Thread(target=swapper)
+        t0 = time.perf_counter()
+        th.start()
+        streams = asyncio.run(run_all())
+        th.join(timeout=300)
+        gen_s = time.perf_counter() - t0
     assert not swap_errors, swap_errors
     assert len(swap_results) == len(SWAP_MODES) and _version(server) == v0 + len(SWAP_MODES)
 
@@ -466,69 +546,73 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
         for c in st.chunks:
             acc.feed(c)  # raises on an in-stream error event
         g = acc.result()
-        assert len(g.token_ids) == LOAD_TOKENS and g.finish_reason == "length", (len(g.token_ids), g.finish_reason)
+        assert len(g.token_ids) == st.max_tokens and g.finish_reason == "length", (len(g.token_ids), g.finish_reason)
         assert all(a <= b for a, b in zip(g.versions, g.versions[1:])), g.versions
         assert set(g.versions) <= set(weights), set(g.versions)
         gens.append(g)
     straddling = [g for g in gens if len(set(g.versions)) > 1]
     assert straddling, "no request straddled a swap"
-
-    # Recompute the requests with the trainer's model (BI) under each version they saw. A
-    # token tagged v is checkable when its whole context was computed with version v's weights: v came
-    # with a "recompute" swap (in-flight requests were recomputed with v), or the request started at v.
-    # After a "keep" swap a request continues on KV computed with the old weights: not one version. Each
-    # version runs only on the prefixes it needs, 4 sequences per packed batch.
+    late = sorted(set(range(v0, v0 + len(SWAP_MODES) + 1)) - {v for g in gens for v in g.versions})
+    assert not late, f"versions {late} produced no token: those swaps landed after every stream had ended"
+    # Spot check: replay requests with the trainer's model (BI, inference-state path) exactly as the engine
+    # computed them, and compare every token's logprob bit for bit. The requests straddling each swap come
+    # first, then those that saw the most versions.
     final = v0 + len(SWAP_MODES)
-    jobs: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # version -> (request, tokens)
-    for i in range(0, LOAD_REQUESTS, LOAD_REQUESTS // SPOT_CHECK):
-        vs = gens[i].versions
-        for ver in sorted(set(vs)):
-            if modes.get(ver) == "recompute" or vs[0] == ver:
-                jobs[ver].append((i, max(t for t, x in enumerate(vs) if x == ver) + 1))
-    trainer_lp: dict[int, dict[int, list[float]]] = collections.defaultdict(dict)  # version -> request -> lps
+    spot: list[int] = []
+    for v in range(v0 + 1, final + 1):
+        spot += [i for i, g in enumerate(gens) if g.versions[0] < v <= g.versions[-1] and i not in spot][:1]
+    by_versions = sorted(range(len(gens)), key=lambda i: (-len(set(gens[i].versions)), i))
+    spot += [i for i in by_versions if i not in spot][:SPOT_CHECK - len(spot)]
     t1 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # next to a busy server, 2 OpenMP threads on these 2 cores crawl
     try:
         with torch.no_grad(), batch_invariant():
-            for ver, todo in jobs.items():
-                server.trainer.load_state_dict(weights[ver])
-                for k in range(0, len(todo), 4):
-                    group = todo[k:k + 4]
-                    seqs = [streams[i].prompt + gens[i].token_ids[:n] for i, n in group]
-                    batch = SeqBatch.from_lengths([len(x) for x in seqs])
-                    lp_T = token_logprobs(server.trainer, torch.tensor([t for x in seqs for t in x]), batch)
-                    for (i, n), end in zip(group, batch.cu_seqlens[1:].tolist()):
-                        trainer_lp[ver][i] = lp_T[end - n:end].tolist()
+            replayed = {i: _replay_request(server.trainer, weights, modes, streams[i].prompt, gens[i].token_ids,
+                                           gens[i].versions) for i in spot}
+            # what the final weights alone give: a token tagged with a wrong version would show
+            server.trainer.load_state_dict(weights[final])
+            final_lp = {}
+            for k in range(0, len(spot), 4):
+                group = spot[k:k + 4]
+                seqs = [streams[i].prompt + gens[i].token_ids for i in group]
+                batch = SeqBatch.from_lengths([len(x) for x in seqs])
+                lp_T = token_logprobs(server.trainer, torch.tensor([t for x in seqs for t in x]), batch)
+                for i, e in zip(group, batch.cu_seqlens[1:].tolist()):
+                    final_lp[i] = lp_T[e - len(gens[i].token_ids):e].tolist()
     finally:
         torch.set_num_threads(threads)
     check_s = time.perf_counter() - t1
-    checked = after_swap = compared = distinguishable = 0
+    checked = after_swap = on_mixed_kv = compared = distinguishable = 0
+    straddled = collections.Counter()  # swap version -> checked tokens after it, in requests started before it
     mismatches = []
-    for ver, todo in jobs.items():
-        for i, _ in todo:
-            g, ours = gens[i], trainer_lp[ver][i]
-            for t, (tag, lp) in enumerate(zip(g.versions, g.logprobs)):
-                if tag != ver:
-                    continue
-                checked += 1
-                after_swap += ver != g.versions[0]
-                if ver != final and i in trainer_lp[final]:  # would a token tagged with the wrong version show?
-                    compared += 1
-                    distinguishable += trainer_lp[final][i][t] != ours[t]
-                if lp != ours[t]:
-                    mismatches.append((i, t, ver - v0, lp, ours[t]))
-    n_spot = SPOT_CHECK * LOAD_TOKENS
+    for i in spot:
+        g, (ours, mixed) = gens[i], replayed[i]
+        for t, (tag, lp) in enumerate(zip(g.versions, g.logprobs)):
+            checked += 1
+            after_swap += tag != g.versions[0]
+            on_mixed_kv += mixed[t]
+            for v in range(g.versions[0] + 1, tag + 1):
+                straddled[v] += 1
+            if tag != final:
+                compared += 1
+                distinguishable += final_lp[i][t] != ours[t]
+            if lp != ours[t]:
+                mismatches.append((i, t, tag - v0, lp, ours[t]))
+    n_spot = sum(len(gens[i].token_ids) for i in spot)
     per_version = collections.Counter(v - v0 for g in gens for v in g.versions)
-    print(f"\nload: {LOAD_REQUESTS} concurrent streams x {LOAD_TOKENS} tokens, {len(SWAP_MODES)} swaps "
+    print(f"\nload: {len(streams)} streams x {LOAD_TOKENS}..{LOAD_TOKENS + 63} tokens, {LOAD_REQUESTS} at all times, {len(SWAP_MODES)} swaps "
           f"{SWAP_MODES} in {gen_s:.1f} s; straddling requests {len(straddling)}, versions per request "
           f"{min(len(set(g.versions)) for g in gens)}..{max(len(set(g.versions)) for g in gens)}, tokens per "
           f"version {dict(sorted(per_version.items()))}; swap pauses "
-          f"{[round(r['swap_seconds'] * 1e3) for r in swap_results]} ms; exact recompute of {SPOT_CHECK} requests: "
-          f"{checked}/{n_spot} tokens checkable ({after_swap} after a swap inside their request), "
+          f"{[round(r['swap_seconds'] * 1e3) for r in swap_results]} ms; exact replay of {len(spot)} requests: "
+          f"{checked}/{n_spot} tokens checked ({after_swap} after a swap inside their request, {on_mixed_kv} on KV "
+          f"of several versions after a 'keep' swap), "
           f"{len(mismatches)} mismatches, {distinguishable}/{compared} differ under the final version; "
           f"trainer check {check_s:.1f} s")
-    assert checked > n_spot // 2 and after_swap > 0, (checked, after_swap)
+    assert checked == n_spot
+    assert all(straddled[v] for v in range(v0 + 1, final + 1)), straddled  # every swap checked across
+    assert on_mixed_kv > 0  # "keep" swaps really continued on the old weights' KV, token for token
     assert compared and distinguishable > 0.9 * compared  # a mistagged token would show
     assert not mismatches, mismatches[:5]
 

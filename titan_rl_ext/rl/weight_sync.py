@@ -76,21 +76,29 @@ class WeightPusher:
         """Serialise once, POST to every server concurrently; returns each server's JSON answer
         (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``). Raises
         ``WeightPushError`` naming every server that rejected the push."""
-        if mode not in ("keep", "recompute"):
-            raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
-        params = {"version": str(int(version)), "mode": mode}
-        keep_alive: list[torch.Tensor] = []
         if self.transport == "cuda_ipc":
             from titan_rl_ext.rl.cuda_ipc import export_tensors
 
             manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
-            payload = json.dumps(manifest).encode()
-            params["transport"] = "cuda_ipc"
-        else:
-            payload = serialize(state_dict)
+            try:
+                return self._push(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"})
+            finally:
+                del keep_alive
+        return self.push_payload(serialize(state_dict), version, mode)
+
+    def push_payload(self, payload: bytes, version: int, mode: str = "keep") -> list[dict[str, Any]]:
+        """``push`` of an already serialised state dict (``serialize``): lets a caller serialise in one
+        thread or process and send from another. safetensors transport only."""
+        if self.transport != "safetensors":
+            raise ValueError(f"push_payload sends safetensors bytes; this pusher uses transport={self.transport!r}")
+        return self._push(payload, version, mode, {})
+
+    def _push(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
+        if mode not in ("keep", "recompute"):
+            raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
+        params = {"version": str(int(version)), "mode": mode, **extra}
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             results = list(pool.map(lambda u: self._post(u, payload, params), self.urls))
-        del keep_alive
         failed = [r for r in results if not r["ok"]]
         if failed:
             lines = "; ".join(f"{r['url']}: HTTP {r['status']} {r['error']}" for r in failed)

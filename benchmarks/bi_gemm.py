@@ -19,7 +19,9 @@ row 0 changes bits with M (informational), and ||BI - cuBLAS|| / ||cuBLAS|| (bf1
 
 ``--lm-head`` adds the 248320-wide LM head in bf16; ``--fp32-head-m`` times the head in fp32 at the
 given M -- the precision the trainer's ``token_logprobs`` and the BI generator actually use
-(BI: Triton fp32 dot with input_precision="ieee", no tensor cores; cuBLAS: SGEMM, TF32 off).
+(BI: Triton fp32 dot with input_precision="ieee", no tensor cores; cuBLAS: SGEMM, TF32 off) -- and, for
+the BI GEMM, the model's own form of it: fp32 activations over the bf16 weight, widened inside the
+kernel, against the former cast of the whole head to an fp32 copy before the GEMM.
 """
 
 from __future__ import annotations
@@ -137,6 +139,16 @@ def bench_shape(shape: Shape, ms: list[int], dev: torch.device, timer: Timer, ar
             "bi_tiles_128x128": tiles if dev.type == "cuda" else None,
             "rel_err_bi_vs_cublas": err, "bi_row0_bit_identical_to_M1": bi_same, "cublas_row0_bit_identical_to_M1": cb_same,
         })
+        if dtype == torch.float32 and shape.names == ["lm_head"]:
+            # the model's fp32 head over its bf16 weight (Decoder.logits(fp32=True) in BI mode): the
+            # kernel widens the weight per tile; before, the head was cast to an fp32 copy on every call
+            w16 = w.to(torch.bfloat16)
+            with torch.no_grad():
+                mixed = [statistics.median(timer.run(lambda: bi.linear(x, w16), warmup=1, reps=reps, max_s=max_s)),
+                         statistics.median(timer.run(lambda: bi.linear(x, w16.float()), warmup=1, reps=reps, max_s=max_s))]
+            rows[-1].update(bi_bf16w_widened_ms=mixed[0], bi_bf16w_cast_copy_ms=mixed[1])
+            print(f"  {shape.label:<34} M={M:<6} fp32 x bf16 weight: widened in-kernel {mixed[0]:.4f} ms, "
+                  f"cast copy + fp32 GEMM {mixed[1]:.4f} ms ({mixed[1] / mixed[0]:.2f}x)", flush=True)
         r = rows[-1]
         print(f"  {shape.label:<34} M={M:<6} BI {r['bi_ms_r1']:.4f}/{r['bi_ms_r2']:.4f} ms  cuBLAS "
               f"{r['cublas_ms_r1']:.4f}/{r['cublas_ms_r2']:.4f} ms  ratio {r['ratio_bi_over_cublas']:.2f}  "

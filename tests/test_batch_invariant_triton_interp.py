@@ -77,6 +77,15 @@ def _check_gemm() -> None:
             for s, n in ((0, 1), (M - 1, 1), (M // 3, min(M, 7)), (1, min(M - 1, 129)), (0, M)):
                 if n > 0 and s + n <= M:
                     assert torch.equal(tri.bi_matmul(x[s : s + n], w.t()), y[s : s + n]), (dtype, M, s, n)
+    # mixed dtypes (fp32 activations, bf16 LM head): the kernel widens b per tile, bit for bit a cast first;
+    # batch invariant like the rest
+    for M, K, N in ((300, 100, 260), (1, 33, 7)):
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        y = tri.bi_matmul(x, w.t())
+        assert y.dtype == torch.float32 and torch.equal(y, tri.bi_matmul(x, w.float().t())), (M, K, N)
+        assert torch.equal(tri.bi_matmul(x[M // 2 :], w.t()), y[M // 2 :])
+        assert torch.equal(bi.mm(x, w.t()), bi.mm(x, w.float().t()))  # the CPU dispatch promotes too
     # the dispatch: on CPU bi.mm is the torch path, untouched
     x = torch.randn(9, 40, generator=g)
     w = torch.randn(40, 24, generator=g)

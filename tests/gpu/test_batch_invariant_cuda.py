@@ -120,6 +120,31 @@ def test_bi_gemm_lm_head_fp32() -> None:
     _gemm_case(*LM_HEAD, torch.float32, LM_HEAD_ROWS_FP32)
 
 
+def test_bi_gemm_lm_head_fp32_over_bf16_weight() -> None:
+    """The fp32 head over a bf16 weight (``Decoder.logits(fp32=True)`` in BI mode): the kernel widens the
+    weight per tile -- bit for bit the GEMM of an fp32 copy, batch invariant, and no fp32 copy of the
+    4 GB head is allocated."""
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.kernels.batch_invariant_triton import bi_matmul
+
+    K, N = LM_HEAD
+    g = torch.Generator(device=DEV).manual_seed(5)
+    w = (torch.randn(N, K, device=DEV, generator=g) * K**-0.5).to(torch.bfloat16)
+    x = torch.randn(64, K, device=DEV, generator=g)
+    y = bi.linear(x, w)
+    assert y.dtype == torch.float32
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y2 = bi.linear(x, w)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= y2.numel() * 4 + (64 << 20), f"{extra / 2**30:.2f} GiB allocated: the weight was copied"
+    assert torch.equal(y, bi_matmul(x, w.float().t()))
+    for M in (1, 7, 33):
+        assert torch.equal(bi.linear(x[:M], w), y[:M])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_bi_gemm_other_dtypes(dtype: torch.dtype) -> None:
     _gemm_case(4096, 1024, dtype, list(range(1, 300)) + [511, 512, 513, 1000, 2048])

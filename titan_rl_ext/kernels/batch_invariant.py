@@ -71,13 +71,14 @@ def _use_triton(*ts: torch.Tensor) -> bool:
 
 
 def mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with a per-row result independent of M (the number of rows).
-    CUDA: the Triton GEMM (``batch_invariant_triton.bi_mm``); CPU: ``mm_torch``."""
+    """``a @ b`` with a per-row result independent of M (the number of rows), in the promoted dtype of
+    the two. CUDA: the Triton GEMM (``batch_invariant_triton.bi_mm``); CPU: ``mm_torch``."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"mm expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     if _use_triton(a_MK, b_KN):
-        return _triton().bi_mm(a_MK, b_KN)
-    return mm_torch(a_MK, b_KN)
+        return _triton().bi_mm(a_MK, b_KN)  # mixed dtypes: b widened inside the kernel
+    dtype = torch.promote_types(a_MK.dtype, b_KN.dtype)
+    return mm_torch(a_MK.to(dtype), b_KN.to(dtype))
 
 
 def mm_torch(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:

@@ -76,10 +76,12 @@ def _bi_mm_kernel(
                 a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0,
             )
+            # b may be narrower than a (a bf16 LM head under fp32 activations): widened per tile, which is
+            # exact, so the bits equal those of a full-width copy of b, without writing that copy
             b = tl.load(
                 b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn,
                 mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-            )
+            ).to(a_ptr.dtype.element_ty)
             if UPCAST:
                 # interpreter only (CPU tensors): its numpy dot mishandles bf16, and numpy's BLAS does not
                 # round a row the same at every position in a tile (OpenBLAS' AVX2 kernels); a float64 dot
@@ -103,8 +105,10 @@ def _num_programs(device: torch.device) -> int:
 
 
 def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (bf16/fp16/fp32; fp32 accumulation; output in the input dtype), batch invariant in M.
-    ``b`` may have any strides (a transposed weight is read in place); ``a`` is made contiguous."""
+    """``a @ b`` (bf16/fp16/fp32; fp32 accumulation; output in the promoted dtype), batch invariant in M.
+    ``b`` may have any strides (a transposed weight is read in place); ``a`` is made contiguous. Mixed
+    dtypes compute in the promoted one, bit for bit as if both were cast first; a narrower ``b`` (the
+    bf16 LM head of an fp32 head) is widened tile by tile instead of copied (4 GB at a 248k vocabulary)."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"bi_matmul expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     if a_MK.device != b_KN.device:
@@ -113,7 +117,7 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     if dtype not in _MM_CONFIGS:
         raise TypeError(f"bi_matmul supports {sorted(map(str, _MM_CONFIGS))}; got {a_MK.dtype} and {b_KN.dtype}")
     a = a_MK.to(dtype).contiguous()
-    b = b_KN.to(dtype)
+    b = b_KN  # never wider than dtype; a narrower one is widened inside the kernel
     M, K = a.shape
     N = b.shape[1]
     c = torch.empty(M, N, dtype=dtype, device=a.device)
@@ -147,7 +151,7 @@ class _BIMatmul(torch.autograd.Function):
         a, b = ctx.saved_tensors
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = bi_matmul(g, b.to(g.dtype).t()).to(a.dtype)
+            ga = bi_matmul(g, b.t()).to(a.dtype)
         if ctx.needs_input_grad[1]:
             gb = bi_matmul(a.to(g.dtype).t(), g).to(b.dtype)
         return ga, gb

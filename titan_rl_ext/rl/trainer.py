@@ -585,12 +585,22 @@ class RLTrainer(Trainer):
         return box[0]
 
     def _gather_cat(self, x: torch.Tensor) -> torch.Tensor:
-        """All ranks' 1-D tensors concatenated in rank order (on every rank)."""
+        """All ranks' 1-D tensors (lengths may differ) concatenated in rank order, on every rank: two
+        tensor all-gathers (lengths, then values padded to the longest), no pickling."""
         if self.world == 1:
             return x
-        parts: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(parts, x.detach().cpu())
-        return torch.cat(parts).to(x.device)
+        dist = torch.distributed
+        dev = x.device if x.is_cuda and "nccl" in str(dist.get_backend()) else torch.device("cpu")
+        flat = x.detach().reshape(-1).to(dev)
+        n = torch.tensor([flat.numel()], dtype=torch.int64, device=dev)
+        sizes = [torch.empty_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n)
+        lengths = [int(s) for s in sizes]
+        padded = flat.new_zeros(max(lengths))
+        padded[: flat.numel()] = flat
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:k] for p, k in zip(parts, lengths)]).to(x.device)
 
     def train_step(self, data_iterator: Any) -> None:  # noqa: C901 -- one readable sequence
         from titan_rl_ext.kernels.batch_invariant import set_batch_invariant

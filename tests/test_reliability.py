@@ -357,7 +357,9 @@ def _push_outcome(s: Server, log_from: int, version: int) -> str | None:
 
 # -- 2. load: 64 streams across 6 swaps --------------------------------------------------------------------
 LOAD_REQUESTS = 64
-LOAD_TOKENS = 128  # the shortest stream; request i asks for LOAD_TOKENS + _extra_tokens(i)
+# The shortest stream; request i asks for LOAD_TOKENS + _extra_tokens(i). A stream must outlive a push's
+# latency (up to ~12 s on a loaded 2-core CI machine) for the swap to land inside it.
+LOAD_TOKENS = 256
 SWAP_MODES = ("recompute", "keep", "recompute", "keep", "recompute", "recompute")
 TOKENS_BETWEEN_SWAPS = 6  # per request on average, tagged with the current version, before the next swap
 SPOT_CHECK = LOAD_REQUESTS  # requests recomputed by the trainer (~3 s)

@@ -369,6 +369,26 @@ def test_chat_completion_carries_version(server: Server) -> None:
     assert data and all(c["titan_weight_version"] == _version(server) for c in data)
 
 
+def test_sse_annotation_splices_a_valid_field() -> None:
+    """The version goes into every JSON ``data:`` line of an SSE event without re-serialising it; other
+    lines (``[DONE]``, comments, event names) are untouched."""
+    from vllm_titan_plugin.swap_endpoint import VERSION_FIELD, _annotate_event
+
+    cases = {
+        b'data: {"id":"c","choices":[{"text":"}{","index":0}]}': {"id": "c", "choices": [{"text": "}{", "index": 0}]},
+        b"data: {}": {},
+        b'data:  { "a" : 1 } ': {"a": 1},
+        b'event: error\ndata: {"error":{"code":400}}': {"error": {"code": 400}},
+    }
+    for event, obj in cases.items():
+        lines = _annotate_event(event, 12).split(b"\n")
+        data = [json.loads(x[5:]) for x in lines if x.startswith(b"data:")]
+        assert data == [{VERSION_FIELD: 12, **obj}], (event, lines)
+        assert [x for x in lines if not x.startswith(b"data:")] == [x for x in event.split(b"\n") if not x.startswith(b"data:")]
+    assert _annotate_event(b"data: [DONE]", 3) == b"data: [DONE]"
+    assert _annotate_event(b": keep-alive", 3) == b": keep-alive"
+
+
 def test_token_never_logged(server: Server) -> None:
     assert TOKEN not in server.log.read_text()
 

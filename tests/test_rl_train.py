@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 TOKEN = "rl-train-test-token-7d1e"
 
 
-def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str, nproc: int = 1) -> str:
+def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str, nproc: int = 1,
+              extra: tuple[str, ...] = ()) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(cache), TITAN_SWAP_TOKEN=TOKEN,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -34,7 +35,8 @@ def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str,
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_tiny_cpu",
            "--training.steps", str(steps), "--rl.no-spawn-server", "--rl.generator-urls", base,
            "--rl.offpolicy", "0", "--rl.run-dir", str(tmp_path / "run"), "--dump-folder", str(tmp_path / "dump"),
-           "--checkpoint.enable", "--checkpoint.interval", "1", "--rl.eval-every", "2", "--rl.eval-items", "16"]
+           "--checkpoint.enable", "--checkpoint.interval", "1", "--rl.eval-every", "2", "--rl.eval-items", "16",
+           *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     log = r.stdout + r.stderr
     (tmp_path / log_name).write_text(log)
@@ -100,6 +102,34 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
         final = json.loads((run / "final_checksums.json").read_text())
         assert final["version"] == 4 and final["server_matches"] is True
         assert requests.get(f"{srv.base}/titan/v1/weights/version", timeout=10).json()["version"] == 4
+
+
+def test_rl_train_batch_invariant_window(tmp_path: Path) -> None:
+    """BI as a debug switch over a window of steps: step 2 only. Both sides switch (the generator when the
+    weights that generate the next step's groups are published), so step 2's groups were sampled with
+    BI and its gap is exactly 0; steps 1 and 3 run the normal kernels."""
+    import re
+
+    cache = tmp_path / "cache"
+    os.environ["TITAN_RL_CACHE"] = str(cache)
+    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
+
+    model_dir = Path(tiny_rl_checkpoint())
+    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="0")
+    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
+        srv.wait_ready()
+        _torchrun(tmp_path, cache, srv.base, 3, "train.log",
+                  extra=("--rl.batch-invariant-from", "2", "--rl.batch-invariant-steps", "1", "--rl.eval-every", "0"))
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        print({k: r[k] for k in ("step", "batch_invariant", "bit_wise/num_tokens", "bit_wise/logprob_diff/abs_mean",
+                                 "bit_wise/logprob_diff/max")})
+    assert [r["batch_invariant"] for r in recs] == [0, 1, 0]
+    step2 = recs[1]
+    assert step2["bit_wise/num_tokens"] > 0
+    assert step2["bit_wise/logprob_diff/abs_mean"] == 0.0 and step2["bit_wise/logprob_diff/max"] == 0.0, step2
+    switches = re.findall(r"titan batch invariance (on|off)", (tmp_path / "server.log").read_text())
+    assert switches == ["off", "on", "off"], switches  # at start, before step 2's rollouts, before step 3's
 
 
 def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:

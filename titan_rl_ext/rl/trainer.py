@@ -32,11 +32,14 @@ run's bit for bit (``tests/test_rl_resume.py``). With ``offpolicy > 0`` which gr
 and which weights generated them, depends on timing: a resume then neither skips nor repeats a
 trained prompt (it only regenerates the unfinished ones) but is not reproducible.
 
-Batch invariance as a debug switch (``batch_invariant_steps=N``): steps 1..N run batch invariant on
-both sides, later steps run normal kernels. The trainer flips its own switch and, whenever the
-setting changes, the generators' (``POST /titan/v1/batch_invariant``, which recomputes in-flight
-requests under the new setting). Groups already buffered by the off-policy window were generated
-under the setting of their time, so with ``offpolicy > 0`` the first steps after a flip mix both.
+Batch invariance as a debug switch (``batch_invariant_steps=N``, ``batch_invariant_from=S``, default 1):
+steps S..S+N-1 run batch invariant on both sides, the others run normal kernels -- e.g. resume a
+misbehaving run from its checkpoint with a few BI steps to tell an infra mismatch (BI gap 0) from a
+training problem. The trainer flips its own switch per step, and the generators'
+(``POST /titan/v1/batch_invariant``, which recomputes in-flight requests under the new setting) when it
+publishes the weights that generate the next step's groups, so with ``offpolicy=0`` every step's
+groups were generated under that step's setting. Groups buffered ahead by the off-policy window were
+generated under the setting of their time: with ``offpolicy > 0`` the first steps after a flip mix both.
 
 Data parallelism (more than one rank): rank 0 generates, broadcasts the batch, every rank trains on
 its share of the groups, the loss is normalised by the all-reduced token count, and rank 0 pushes
@@ -118,7 +121,9 @@ class RLConfig:
     """``safetensors`` (bytes over HTTP: CPU, GPU, across hosts) or ``cuda_ipc`` (generators on this host that
     see the trainer's GPU open CUDA IPC handles and copy device to device)."""
     batch_invariant_steps: int = 0
-    """Batch-invariant kernels for the first N steps (see the module docstring for the server side)."""
+    """Batch-invariant kernels for N steps from ``batch_invariant_from`` (see the module docstring)."""
+    batch_invariant_from: int = 1
+    """First step of the batch-invariant window."""
     run_dir: str = ""
     """Metrics/rollout logs; empty = ``<dump_folder>/rl``."""
     log_rollouts: bool = True
@@ -527,13 +532,15 @@ class RLTrainer(Trainer):
             token = token or secrets.token_hex(16)
             from titan_rl_ext.rl.generator_server import GeneratorServer
 
-            env = {"TITAN_SWAP_TOKEN": token, "TITAN_BATCH_INVARIANT": "1" if rl.batch_invariant_steps > 0 else "0"}
+            env = {"TITAN_SWAP_TOKEN": token, "TITAN_BATCH_INVARIANT": "1" if self._bi_at(self.step) else "0"}
+            self._generator_bi = self._bi_at(self.step)
             self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env)
             self._server.wait_ready(rl.server_boot_timeout_s)
             urls.append(self._server.base)
         if not token:
             raise ValueError(f"set {rl.swap_token_env} to the generators' swap token")
         self._pusher = WeightPusher(urls, token, transport=rl.weight_transport)
+        self._sync_generator_bi(self._bi_at(self.step))  # before the first rollouts
         self._mlog = MetricsLogger(self.run_dir, config={"rl": _asdict(rl)})
         # a resumed run: the generators still serve the checkpoint the run started from
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -567,6 +574,16 @@ class RLTrainer(Trainer):
             raise RuntimeError(f"{url} has no weight-swap endpoint: start it with TITAN_SWAP_TOKEN set")
         r.raise_for_status()
         return int(r.json()["version"])
+
+    def _bi_at(self, step: int) -> bool:
+        rl = self.config.rl
+        return rl.batch_invariant_from <= step < rl.batch_invariant_from + rl.batch_invariant_steps
+
+    def _sync_generator_bi(self, enabled: bool) -> None:
+        """Rank 0: switch the generators' batch invariance when it differs from what they run."""
+        if self.rank == 0 and enabled != self._generator_bi:
+            self._pusher.set_batch_invariant(enabled)
+            self._generator_bi = enabled
 
     def _push(self, version: int) -> float:
         """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time."""
@@ -615,11 +632,9 @@ class RLTrainer(Trainer):
         if not self._started:
             self._start()
             self.rl_version = self._broadcast(self.rl_version)
-        bi = self.step <= rl.batch_invariant_steps
+        bi = self._bi_at(self.step)
         set_batch_invariant(bi)
-        if self.rank == 0 and bi != self._generator_bi:  # both sides switch together
-            self._pusher.set_batch_invariant(bi)
-            self._generator_bi = bi
+        self._sync_generator_bi(bi)  # a no-op unless the setting was not switched at the last publish
         t_start = time.perf_counter()
 
         # 1. rollouts
@@ -695,6 +710,7 @@ class RLTrainer(Trainer):
         if self.step % rl.push_every == 0 or last:
             swap_s = self._push(self.rl_version)
             if self.rank == 0:
+                self._sync_generator_bi(self._bi_at(self.step + 1))  # the next step's groups come from here
                 self._service.publish(self.rl_version)
         t_end = time.perf_counter()
 

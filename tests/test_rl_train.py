@@ -10,11 +10,14 @@ push/swap as much as the kernels. After the run the server's weights equal the t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,21 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "rl-train-test-token-7d1e"
+
+
+@contextlib.contextmanager
+def _tiny_rl_server(tmp_path: Path, batch_invariant: bool) -> Iterator[tuple[Any, Path]]:
+    """The recipe's tiny checkpoint (built into the test's cache) served with the swap endpoint on;
+    yields the server and the cache folder."""
+    cache = tmp_path / "cache"
+    os.environ["TITAN_RL_CACHE"] = str(cache)
+    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
+
+    model_dir = Path(tiny_rl_checkpoint())
+    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1" if batch_invariant else "0")
+    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
+        srv.wait_ready()
+        yield srv, cache
 
 
 def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str, nproc: int = 1,
@@ -47,14 +65,7 @@ def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str,
 def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
     import requests
 
-    cache = tmp_path / "cache"
-    os.environ["TITAN_RL_CACHE"] = str(cache)
-    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
-
-    model_dir = Path(tiny_rl_checkpoint())  # the recipe's checkpoint, built into the test's cache
-    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
-    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
-        srv.wait_ready()
+    with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
         _torchrun(tmp_path, cache, srv.base, 3, "train1.log")
         run = tmp_path / "run"
         recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -110,14 +121,7 @@ def test_rl_train_batch_invariant_window(tmp_path: Path) -> None:
     BI and its gap is exactly 0; steps 1 and 3 run the normal kernels."""
     import re
 
-    cache = tmp_path / "cache"
-    os.environ["TITAN_RL_CACHE"] = str(cache)
-    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
-
-    model_dir = Path(tiny_rl_checkpoint())
-    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="0")
-    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
-        srv.wait_ready()
+    with _tiny_rl_server(tmp_path, batch_invariant=False) as (srv, cache):
         _torchrun(tmp_path, cache, srv.base, 3, "train.log",
                   extra=("--rl.batch-invariant-from", "2", "--rl.batch-invariant-steps", "1", "--rl.eval-every", "0"))
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -137,14 +141,7 @@ def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
     groups, the sharded weights are gathered and pushed. On-policy with BI on, every rank's recompute
     equals the generator's logprobs bit for bit (``bit_wise/*`` gather all ranks' tokens), and the
     server ends on the trainer's gathered final weights."""
-    cache = tmp_path / "cache"
-    os.environ["TITAN_RL_CACHE"] = str(cache)
-    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
-
-    model_dir = Path(tiny_rl_checkpoint())
-    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
-    with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
-        srv.wait_ready()
+    with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
         _torchrun(tmp_path, cache, srv.base, 2, "train_dp.log", nproc=2)
     run = tmp_path / "run"
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

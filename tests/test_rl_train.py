@@ -136,6 +136,33 @@ def test_rl_train_batch_invariant_window(tmp_path: Path) -> None:
     assert switches == ["off", "on", "off"], switches  # at start, before step 2's rollouts, before step 3's
 
 
+def test_rl_train_off_policy_exact_gap(tmp_path: Path) -> None:
+    """Off-policy (window 1) with BI: the tokens of older versions are recomputed with the weights that
+    sampled them (``--rl.stale-gap-versions 2``), so every single-version sample's tokens are compared --
+    fresh ones under ``bit_wise/*``, stale ones under ``bit_wise_stale/*`` -- and all are exactly equal."""
+    with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
+        _torchrun(tmp_path, cache, srv.base, 3, "train.log",
+                  extra=("--rl.offpolicy", "1", "--rl.stale-gap-versions", "2", "--rl.eval-every", "0"))
+    run = tmp_path / "run"
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    stale_total = 0
+    for r, roll in zip(recs, rolls):
+        samples = [smp for g in roll["groups"] for smp in g["samples"]]
+        single = sum(len(smp["completion_ids"]) for smp in samples if len(set(smp["token_versions"])) == 1)
+        mixed = sum(len(set(smp["token_versions"])) > 1 for smp in samples)
+        print({k: r.get(k) for k in ("step", "staleness/max", "bit_wise/num_tokens", "bit_wise_stale/num_tokens",
+                                     "bit_wise_stale/logprob_diff/max", "bit_wise_stale/skipped_samples")})
+        # a window of 1 with 2 remembered versions: every single-version sample is fresh or recomputable
+        assert r["bit_wise/num_tokens"] + r["bit_wise_stale/num_tokens"] == single, (r, single)
+        assert r["bit_wise_stale/skipped_samples"] == mixed
+        for k in ("bit_wise/logprob_diff/max", "bit_wise_stale/logprob_diff/max"):
+            assert r[k] == 0.0 or r[k] != r[k], (k, r[k])  # exactly 0 (NaN: no such tokens this step)
+        stale_total += r["bit_wise_stale/num_tokens"]
+    assert stale_total > 0  # the generators ran ahead: some steps trained on the previous version's samples
+
+
 def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
     """2 ranks (gloo, FSDP2-sharded model): rank 0 generates and broadcasts, each rank trains on half the
     groups, the sharded weights are gathered and pushed. On-policy with BI on, every rank's recompute

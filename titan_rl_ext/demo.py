@@ -43,7 +43,7 @@ def greedy_titan(model: Decoder, prompt: list[int], max_new: int) -> list[int]:
 
 
 def _fmt(v: object) -> str:
-    return "nan (no fresh tokens)" if not isinstance(v, (int, float)) or v != v else f"{v:.3g}"
+    return "n/a (no such tokens)" if not isinstance(v, (int, float)) or v != v else f"{v:.3g}"
 
 
 def run_rl_demo(steps: int, window: int, margin: float) -> bool:
@@ -89,10 +89,13 @@ def run_rl_demo(steps: int, window: int, margin: float) -> bool:
         return False
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     print(f"[rl] {len(recs)} steps in {time.time() - t1:.1f}s; per step:")
-    print("   step  reward  bit_wise/logprob_diff/abs_mean  bit_wise_all/logprob_diff/abs_mean  staleness/mean")
+    # bit_wise: tokens of the version being trained; bit_wise_stale: off-policy tokens recomputed with the weights
+    # that sampled them (the exact gap, 0 under BI); bit_wise_all: every token vs the trained weights (policy lag)
+    print("   step  reward  bit_wise/..abs_mean  bit_wise_stale/..abs_mean (tokens)  bit_wise_all/..abs_mean  staleness/mean")
     for r in recs:
-        print(f"   {r['step']:4d}  {r['reward/mean']:.3f}   {_fmt(r.get('bit_wise/logprob_diff/abs_mean')):>28}"
-              f"  {_fmt(r.get('bit_wise_all/logprob_diff/abs_mean')):>34}  {r.get('staleness/mean', float('nan')):.2f}")
+        stale = f"{_fmt(r.get('bit_wise_stale/logprob_diff/abs_mean'))} ({int(r.get('bit_wise_stale/num_tokens', 0))})"
+        print(f"   {r['step']:4d}  {r['reward/mean']:.3f}   {_fmt(r.get('bit_wise/logprob_diff/abs_mean')):>18}"
+              f"  {stale:>34}  {_fmt(r.get('bit_wise_all/logprob_diff/abs_mean')):>23}  {r.get('staleness/mean', float('nan')):.2f}")
     from titan_rl_ext.tools.plot import main as plot_main
 
     plot_main([str(run_dir)])
@@ -104,10 +107,17 @@ def run_rl_demo(steps: int, window: int, margin: float) -> bool:
     gap0 = recs[0].get("bit_wise/logprob_diff/abs_mean") if recs else None
     ok_gap = gap0 == 0.0 and int(recs[0].get("bit_wise/num_tokens", 0)) > 0
     ok_rise = last - first >= margin
+    # every token that can be recomputed exactly (fresh, or stale with its version's weights remembered)
+    n_exact = sum(int(r.get("bit_wise/num_tokens", 0)) + int(r.get("bit_wise_stale/num_tokens", 0)) for r in recs)
+    worst = max((float(r[k]) for r in recs for k in ("bit_wise/logprob_diff/max", "bit_wise_stale/logprob_diff/max")
+                 if isinstance(r.get(k), (int, float)) and r[k] == r[k]), default=float("nan"))
+    ok_all = n_exact > 0 and worst == 0.0
     print(f"[rl] step-1 bit_wise/logprob_diff/abs_mean = {gap0!r} ({'OK: exactly 0' if ok_gap else 'FAILED: not exactly 0'})")
+    print(f"[rl] all steps: {n_exact} tokens recomputed with the weights that sampled them, max |diff| {worst!r} "
+          f"({'OK: exactly 0' if ok_all else 'FAILED: not exactly 0'})")
     print(f"[rl] mean reward: first {w} steps {first:.3f} -> last {w} steps {last:.3f} (+{last - first:.3f}; "
           f"{'OK' if ok_rise else 'FAILED'}: needs >= +{margin})")
-    return ok_gap and ok_rise
+    return ok_gap and ok_rise and ok_all
 
 
 def main(argv: list[str] | None = None) -> int:

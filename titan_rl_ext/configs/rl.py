@@ -170,7 +170,8 @@ def rl_demo_cpu() -> Any:
     """The README demo: the warmed-up tiny Qwen3.5 (``demo_rl_checkpoint``) on CPU, ``synthetic_copy``,
     8 prompts x G=8, off-policy window 2, batch invariant on both sides for the whole run, 40 steps, lr 2e-3."""
     hf_dir = demo_rl_checkpoint()
+    # stale_gap_versions = offpolicy + 1: every off-policy token is recomputed with the weights that sampled it
     rl = _tiny_rl_config(hf_dir, task=f"synthetic_{DEMO_TASK}", prompts_per_step=8, num_producers=8,
-                         eval_every=10, eval_items=64)
+                         eval_every=10, eval_items=64, stale_gap_versions=3)
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=40, lr=2e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_demo_cpu"), checkpoint_interval=10)

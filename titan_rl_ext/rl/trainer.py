@@ -124,6 +124,11 @@ class RLConfig:
     """Batch-invariant kernels for N steps from ``batch_invariant_from`` (see the module docstring)."""
     batch_invariant_from: int = 1
     """First step of the batch-invariant window."""
+    stale_gap_versions: int = 0
+    """Keep the full weights of the last K pushed versions (CPU, rank 0) and recompute the tokens of samples
+    generated entirely by one of them with those weights: ``bit_wise_stale/*``, the exact train/inference
+    gap of off-policy tokens (``bit_wise/*`` covers only tokens of the version being trained). K =
+    ``offpolicy + 1`` covers every fresh-enough sample; each K costs a copy of the model in host memory."""
     run_dir: str = ""
     """Metrics/rollout logs; empty = ``<dump_folder>/rl``."""
     log_rollouts: bool = True
@@ -482,6 +487,8 @@ class RLTrainer(Trainer):
         self._service: RolloutService | None = None
         self._pusher: Any = None
         self._generator_bi: bool | None = None  # last setting sent to the generators
+        self._history: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights (stale_gap_versions)
+        self._scratch: Any = None  # a second model for the stale-gap recompute
         self._eval_items: list[Any] = []
         self._mlog: Any = None
         self._started = False
@@ -557,6 +564,8 @@ class RLTrainer(Trainer):
                                    server_v, self.rl_version, server_v + 1)
                     self.rl_version = server_v + 1
                 self._push(self.rl_version)
+        if self.rl_version not in self._history and self.world == 1:  # the weights the generators start on
+            self._remember(self.rl_version, _full_state_dict(self.model_parts[0]))
         tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
         if self.prompt_cursor != PromptCursor():
             logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
@@ -591,7 +600,60 @@ class RLTrainer(Trainer):
         sd = _full_state_dict(self.model_parts[0])
         if self.rank == 0:
             self._pusher.push(sd, version, mode=self.config.rl.push_mode)
+            self._remember(version, sd)
         return time.perf_counter() - t0
+
+    def _remember(self, version: int, sd: dict[str, torch.Tensor]) -> None:
+        k = self.config.rl.stale_gap_versions
+        if k <= 0:
+            return
+        self._history[version] = {n: t.detach().to("cpu", copy=True) for n, t in sd.items()}
+        for old in sorted(self._history)[:-k]:
+            del self._history[old]
+
+    def _stale_gap(self, samples: list[Any]) -> dict[str, float]:
+        """Rank 0: ``bit_wise_stale/*`` over samples whose generated tokens all come from one remembered
+        version other than the one being trained, recomputed with that version's weights (call with the
+        step's batch-invariance setting)."""
+        from titan_rl_ext.models.common.batch import SeqBatch
+        from titan_rl_ext.models.hf import load_hf_model
+        from titan_rl_ext.rl.logprobs import token_logprobs
+        from titan_rl_ext.rl.metrics import bit_wise_metrics
+        from titan_rl_ext.rl.rollout import pack_samples
+
+        by_version: dict[int, list[Any]] = {}
+        skipped = 0
+        for smp in samples:
+            vs = {v for v, m in zip(smp.token_versions, smp.loss_mask) if m}
+            if len(vs) == 1 and (v := next(iter(vs))) != self.rl_version:
+                if v in self._history:
+                    by_version.setdefault(v, []).append(smp)
+                else:
+                    skipped += 1
+            elif len(vs) > 1:
+                skipped += 1  # straddles a swap: its context mixes versions
+        gen, ours = [], []
+        if by_version:
+            if self._scratch is None:
+                dtype = next(self.model_parts[0].parameters()).dtype
+                self._scratch, _ = load_hf_model(self.config.rl.model_dir, dtype=dtype, device=self.device)
+                self._scratch.eval()
+            for v, group in sorted(by_version.items()):
+                self._scratch.load_state_dict(self._history[v], strict=True)
+                packed = pack_samples(group, device=self.device)
+                with torch.no_grad():
+                    lp_T = token_logprobs(self._scratch, packed.tokens_T, SeqBatch.from_lengths(packed.lengths, device=self.device))
+                gen.append(packed.gen_logprobs_T[packed.loss_mask_T])
+                ours.append(lp_T[packed.loss_mask_T])
+        g = torch.cat(gen) if gen else torch.zeros(0)
+        o = torch.cat(ours) if ours else torch.zeros(0)
+        out = {k.replace("bit_wise/", "bit_wise_stale/"): val
+               for k, val in bit_wise_metrics(g, o, torch.ones_like(g, dtype=torch.bool)).items()}
+        if g.numel() == 0:
+            out = {k: float("nan") for k in out}
+        out["bit_wise_stale/num_tokens"] = int(g.numel())
+        out["bit_wise_stale/skipped_samples"] = skipped
+        return out
 
     # -- the step ------------------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -672,6 +734,8 @@ class RLTrainer(Trainer):
         bw["bit_wise/num_tokens"] = int(gen_f.numel())
         if bw["bit_wise/num_tokens"] == 0:  # no fresh tokens (a stale batch): undefined, not 0
             bw.update({k: float("nan") for k in bw if k.startswith("bit_wise/logprob_diff") or k == "bit_wise/ratio_tokens_different"})
+        if self.rank == 0 and rl.stale_gap_versions > 0:
+            bw.update(self._stale_gap(all_samples))
 
         # 3. advantages (over whole groups: a rank holds complete groups), loss, backward, step
         adv_N = group_advantages(packed.rewards_N, group_ids_N=packed.group_ids_N, normalize_std=rl.normalize_adv_std)
@@ -757,9 +821,11 @@ class RLTrainer(Trainer):
             if rl.log_rollouts:
                 self._log_rollouts(groups, staleness)
             logger.info(
-                "RL step %d v%d: reward %.3f loss %.4f |dlp| fresh %.3g (%d tok) all %.3g tok/s %.1f swap %.2fs", self.step,
+                "RL step %d v%d: reward %.3f loss %.4f |dlp| fresh %.3g (%d tok) stale %.3g (%d tok) all %.3g tok/s %.1f "
+                "swap %.2fs", self.step,
                 self.rl_version, metrics.get("reward/mean", float("nan")), loss_v, bw["bit_wise/logprob_diff/abs_mean"],
-                bw["bit_wise/num_tokens"], bw["bit_wise_all/logprob_diff/abs_mean"],
+                bw["bit_wise/num_tokens"], bw.get("bit_wise_stale/logprob_diff/abs_mean", float("nan")),
+                bw.get("bit_wise_stale/num_tokens", 0), bw["bit_wise_all/logprob_diff/abs_mean"],
                 metrics["perf/trainer/tokens_per_second_full_step"], swap_s,
             )
         # torchtitan's console/TensorBoard logger

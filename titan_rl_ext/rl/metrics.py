@@ -27,7 +27,7 @@ from titan_rl_ext.rl.rollout import Sample
 __all__ = [
     "LOGPROB_DIFF_ABS_MEAN", "LOGPROB_DIFF_MAX", "RATIO_TOKENS_DIFFERENT", "TOKENS_PER_SECOND_FULL_STEP",
     "REWARD_MEAN", "REWARD_STD", "RESPONSE_LENGTH_MEAN", "CLIP_FRAC_LOW", "CLIP_FRAC_HIGH", "STALENESS_MEAN",
-    "STALENESS_MAX", "DROPPED_STALE", "SWAP_LATENCY_S", "METRICS_FILE",
+    "STALENESS_MAX", "STALE_LOGPROB_DIFF_ABS_MEAN", "STALE_LOGPROB_DIFF_MAX", "DROPPED_STALE", "SWAP_LATENCY_S", "METRICS_FILE",
     "bit_wise_metrics", "rollout_metrics", "loss_metrics", "MetricsLogger", "read_metrics",
 ]
 
@@ -36,6 +36,8 @@ METRICS_FILE = "metrics.jsonl"
 LOGPROB_DIFF_ABS_MEAN = "bit_wise/logprob_diff/abs_mean"
 LOGPROB_DIFF_MAX = "bit_wise/logprob_diff/max"
 RATIO_TOKENS_DIFFERENT = "bit_wise/ratio_tokens_different"
+STALE_LOGPROB_DIFF_ABS_MEAN = "bit_wise_stale/logprob_diff/abs_mean"  # off-policy tokens vs the weights that sampled them
+STALE_LOGPROB_DIFF_MAX = "bit_wise_stale/logprob_diff/max"
 TOKENS_PER_SECOND_FULL_STEP = "perf/trainer/tokens_per_second_full_step"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"

@@ -69,10 +69,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         written.append(path)
 
     fig, (ax_gap, ax_ratio) = plt.subplots(1, 2, figsize=(10, 4))
-    if _plot_lines(ax_gap, records, [M.LOGPROB_DIFF_ABS_MEAN, M.LOGPROB_DIFF_MAX], "|lp_gen - lp_trainer|"):
+    gap_keys = [M.LOGPROB_DIFF_ABS_MEAN, M.LOGPROB_DIFF_MAX, M.STALE_LOGPROB_DIFF_ABS_MEAN, M.STALE_LOGPROB_DIFF_MAX]
+    if _plot_lines(ax_gap, records, gap_keys, "|lp_gen - lp_trainer|"):
         # symlog: batch-invariant runs log exact zeros, which a log axis cannot show
         ax_gap.set_yscale("symlog", linthresh=1e-8)
-    _plot_lines(ax_ratio, records, [M.RATIO_TOKENS_DIFFERENT], "fraction of tokens differing")
+    _plot_lines(ax_ratio, records, [M.RATIO_TOKENS_DIFFERENT, M.RATIO_TOKENS_DIFFERENT.replace("bit_wise/", "bit_wise_stale/")],
+                "fraction of tokens differing")
     save(fig, "gap.png", "trainer vs generator logprobs")
 
     fig, (ax_rew, ax_len) = plt.subplots(1, 2, figsize=(10, 4))

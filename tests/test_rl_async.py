@@ -22,6 +22,7 @@ from titan_rl_ext.rl.metrics import (
     TOKENS_PER_SECOND_FULL_STEP,
     MetricsLogger,
     bit_wise_metrics,
+    gap_metrics,
     read_metrics,
 )
 from titan_rl_ext.rl.rollout import ENV_TOKEN_VERSION, Sample
@@ -242,6 +243,15 @@ def test_bit_wise_metrics_over_mask_only() -> None:
     assert m[LOGPROB_DIFF_ABS_MEAN] == pytest.approx(0.5 / 3) and m[LOGPROB_DIFF_MAX] == 0.5
     assert m[RATIO_TOKENS_DIFFERENT] == pytest.approx(1 / 3)
     assert bit_wise_metrics(gen_T, gen_T.clone(), mask_T)[RATIO_TOKENS_DIFFERENT] == 0.0
+
+
+def test_gap_metrics_named_counted_and_nan_when_empty() -> None:
+    m = gap_metrics(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.5]), "bit_wise_stale")
+    assert m == {"bit_wise_stale/logprob_diff/abs_mean": 0.25, "bit_wise_stale/logprob_diff/max": 0.5,
+                 "bit_wise_stale/ratio_tokens_different": 0.5, "bit_wise_stale/num_tokens": 2}
+    empty = gap_metrics(torch.zeros(0), torch.zeros(0))
+    assert empty["bit_wise/num_tokens"] == 0
+    assert all(v != v for k, v in empty.items() if k != "bit_wise/num_tokens")  # NaN: undefined, not 0
 
 
 def test_metrics_jsonl_tensorboard_and_plots(tmp_path: Path) -> None:

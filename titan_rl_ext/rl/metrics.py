@@ -27,8 +27,9 @@ from titan_rl_ext.rl.rollout import Sample
 __all__ = [
     "LOGPROB_DIFF_ABS_MEAN", "LOGPROB_DIFF_MAX", "RATIO_TOKENS_DIFFERENT", "TOKENS_PER_SECOND_FULL_STEP",
     "REWARD_MEAN", "REWARD_STD", "RESPONSE_LENGTH_MEAN", "CLIP_FRAC_LOW", "CLIP_FRAC_HIGH", "STALENESS_MEAN",
-    "STALENESS_MAX", "STALE_LOGPROB_DIFF_ABS_MEAN", "STALE_LOGPROB_DIFF_MAX", "DROPPED_STALE", "SWAP_LATENCY_S", "METRICS_FILE",
-    "bit_wise_metrics", "rollout_metrics", "loss_metrics", "MetricsLogger", "read_metrics",
+    "STALENESS_MAX", "STALE_LOGPROB_DIFF_ABS_MEAN", "STALE_LOGPROB_DIFF_MAX",
+    "STALE_RATIO_TOKENS_DIFFERENT", "DROPPED_STALE", "SWAP_LATENCY_S", "METRICS_FILE",
+    "bit_wise_metrics", "gap_metrics", "rollout_metrics", "loss_metrics", "MetricsLogger", "read_metrics",
 ]
 
 METRICS_FILE = "metrics.jsonl"
@@ -38,6 +39,7 @@ LOGPROB_DIFF_MAX = "bit_wise/logprob_diff/max"
 RATIO_TOKENS_DIFFERENT = "bit_wise/ratio_tokens_different"
 STALE_LOGPROB_DIFF_ABS_MEAN = "bit_wise_stale/logprob_diff/abs_mean"  # off-policy tokens vs the weights that sampled them
 STALE_LOGPROB_DIFF_MAX = "bit_wise_stale/logprob_diff/max"
+STALE_RATIO_TOKENS_DIFFERENT = "bit_wise_stale/ratio_tokens_different"
 TOKENS_PER_SECOND_FULL_STEP = "perf/trainer/tokens_per_second_full_step"
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
@@ -69,6 +71,16 @@ def bit_wise_metrics(lp_gen_T: torch.Tensor, lp_trainer_T: torch.Tensor, mask_T:
         LOGPROB_DIFF_MAX: float(diff_T.max()),
         RATIO_TOKENS_DIFFERENT: differ / n,
     }
+
+
+def gap_metrics(lp_gen_T: torch.Tensor, lp_trainer_T: torch.Tensor, prefix: str = "bit_wise") -> dict[str, float]:
+    """``bit_wise_metrics`` over every element, named ``<prefix>/...``, plus ``<prefix>/num_tokens``; with no
+    tokens the gap is undefined, so NaN rather than 0."""
+    n = int(lp_gen_T.numel())
+    m = bit_wise_metrics(lp_gen_T, lp_trainer_T, torch.ones_like(lp_gen_T, dtype=torch.bool))
+    out = {k.replace("bit_wise/", f"{prefix}/", 1): (v if n else float("nan")) for k, v in m.items()}
+    out[f"{prefix}/num_tokens"] = n
+    return out
 
 
 def rollout_metrics(groups: Sequence[Sequence[Sample]]) -> dict[str, float]:

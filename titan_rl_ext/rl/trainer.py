@@ -618,7 +618,7 @@ class RLTrainer(Trainer):
         from titan_rl_ext.models.common.batch import SeqBatch
         from titan_rl_ext.models.hf import load_hf_model
         from titan_rl_ext.rl.logprobs import token_logprobs
-        from titan_rl_ext.rl.metrics import bit_wise_metrics
+        from titan_rl_ext.rl.metrics import gap_metrics
         from titan_rl_ext.rl.rollout import pack_samples
 
         by_version: dict[int, list[Any]] = {}
@@ -645,13 +645,8 @@ class RLTrainer(Trainer):
                     lp_T = token_logprobs(self._scratch, packed.tokens_T, SeqBatch.from_lengths(packed.lengths, device=self.device))
                 gen.append(packed.gen_logprobs_T[packed.loss_mask_T])
                 ours.append(lp_T[packed.loss_mask_T])
-        g = torch.cat(gen) if gen else torch.zeros(0)
-        o = torch.cat(ours) if ours else torch.zeros(0)
-        out = {k.replace("bit_wise/", "bit_wise_stale/"): val
-               for k, val in bit_wise_metrics(g, o, torch.ones_like(g, dtype=torch.bool)).items()}
-        if g.numel() == 0:
-            out = {k: float("nan") for k in out}
-        out["bit_wise_stale/num_tokens"] = int(g.numel())
+        out = gap_metrics(torch.cat(gen) if gen else torch.zeros(0), torch.cat(ours) if ours else torch.zeros(0),
+                          "bit_wise_stale")
         out["bit_wise_stale/skipped_samples"] = skipped
         return out
 
@@ -686,7 +681,7 @@ class RLTrainer(Trainer):
         from titan_rl_ext.models.common.batch import SeqBatch
         from titan_rl_ext.rl.advantages import broadcast_to_tokens, group_advantages, zero_variance_groups
         from titan_rl_ext.rl.logprobs import token_logprobs
-        from titan_rl_ext.rl.metrics import bit_wise_metrics, loss_metrics, rollout_metrics
+        from titan_rl_ext.rl.metrics import bit_wise_metrics, gap_metrics, loss_metrics, rollout_metrics
         from titan_rl_ext.rl.rollout import pack_samples
 
         del data_iterator  # the text dataloader is built by torchtitan but never read
@@ -728,12 +723,9 @@ class RLTrainer(Trainer):
         gen_f, re_f = self._gather_cat(packed.gen_logprobs_T[fresh_T]), self._gather_cat(lp_re_T[fresh_T])
         gen_a = self._gather_cat(packed.gen_logprobs_T[packed.loss_mask_T])
         re_a = self._gather_cat(lp_re_T[packed.loss_mask_T])
-        bw = bit_wise_metrics(gen_f, re_f, torch.ones_like(gen_f, dtype=torch.bool))
+        bw = gap_metrics(gen_f, re_f)  # NaN when there are no fresh tokens (a stale batch)
         bw.update({k.replace("bit_wise/", "bit_wise_all/"): v
                    for k, v in bit_wise_metrics(gen_a, re_a, torch.ones_like(gen_a, dtype=torch.bool)).items()})
-        bw["bit_wise/num_tokens"] = int(gen_f.numel())
-        if bw["bit_wise/num_tokens"] == 0:  # no fresh tokens (a stale batch): undefined, not 0
-            bw.update({k: float("nan") for k in bw if k.startswith("bit_wise/logprob_diff") or k == "bit_wise/ratio_tokens_different"})
         if self.rank == 0 and rl.stale_gap_versions > 0:
             bw.update(self._stale_gap(all_samples))
 

@@ -73,7 +73,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if _plot_lines(ax_gap, records, gap_keys, "|lp_gen - lp_trainer|"):
         # symlog: batch-invariant runs log exact zeros, which a log axis cannot show
         ax_gap.set_yscale("symlog", linthresh=1e-8)
-    _plot_lines(ax_ratio, records, [M.RATIO_TOKENS_DIFFERENT, M.RATIO_TOKENS_DIFFERENT.replace("bit_wise/", "bit_wise_stale/")],
+    _plot_lines(ax_ratio, records, [M.RATIO_TOKENS_DIFFERENT, M.STALE_RATIO_TOKENS_DIFFERENT],
                 "fraction of tokens differing")
     save(fig, "gap.png", "trainer vs generator logprobs")
 

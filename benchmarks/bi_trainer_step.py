@@ -5,7 +5,7 @@
 
 Model: a 4-layer slice of Qwen3.5-9B (3 GDN + 1 gated attention, hidden 4096, MLP 12288, bf16 weights,
 real 248320 vocabulary unless ``--vocab``), random weights. One trainer step is exactly what the RL
-losses do: ``token_logprobs`` (fp32 LM head + fp32 log-softmax) over T packed tokens of mixed-length
+losses do: ``token_logprobs`` (fused fp32 LM head + fp32 log-softmax, in row chunks) over T packed tokens of mixed-length
 sequences (default 8192 = 1000+3000+2500+1692), ``nansum``, ``backward``, grads dropped. BI on and off
 run in the same process, interleaved in two rounds (each round: median of reps) -> tokens/s and the
 ratio BI/non-BI (throughput; < 1 = BI slower).
@@ -19,11 +19,11 @@ Also:
 - ``--profile``: one profiled step per mode, top-20 CUDA kernels by total time (torch.profiler), kernel
   count and the GPU-busy fraction (kernel time / step wall time; low = launch/Python bound).
 
-Non-BI backward on Hopper: the non-BI GDN kernel is FLA's chunk form, whose backward fla-core 0.6.0
-refuses with Triton < 3.7.1 (FLA issue #640). The repo itself never runs it (BI differentiates the
-torch chunked form instead), so this script overrides FLA's guard to time the non-BI baseline and says
-so in the header; ``--no-guard-override`` leaves the guard in place (the non-BI step then fails and is
-reported as unavailable).
+GDN backward on Hopper: both modes differentiate FLA's chunk form, whose backward fla-core 0.6.0
+refuses with Triton < 3.7.1 (FLA issue #640). The project overrides that guard itself
+(``kernels.gdn.allow_fla_chunk_backward``; gradients checked against float64 by
+``tests/gpu/test_bi_kernels_cuda.py``); ``--no-guard-override`` (with ``TITAN_FLA_CHUNK_BWD=0``) keeps it,
+BI then differentiates the torch chunked form and the non-BI step fails and is reported as unavailable.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.gdn import fla_available  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
 from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
-from titan_rl_ext.rl.logprobs import logprobs_from_logits, token_logprobs  # noqa: E402
+from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
+from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
 GUARD_OVERRIDDEN = "OVERRIDDEN for the non-BI baseline (FLA #640; gradient check in benchmarks/gdn_kernels.py)"
 
@@ -186,7 +187,7 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print_header(f"bi_trainer_step: {len(model.layers)}-layer Qwen3.5-9B slice ({'toy width' if args.smoke else 'real width'}), "
                  f"vocab {cfg.vocab_size}, {n_params / 1e9:.2f} B params bf16, T={T} packed from {lengths}", env)
-    print(f"    GDN kernels: BI = recurrent {'FLA' if uses_fla else 'torch'} fwd + torch chunked bwd; "
+    print(f"    GDN kernels: BI = recurrent {'FLA' if uses_fla else 'torch'} fwd + {'FLA' if uses_fla else 'torch'} chunked bwd; "
           f"non-BI = chunk {'FLA' if uses_fla else 'torch'} fwd+bwd.  FLA #640 guard: {guard}", flush=True)
     results: dict[str, Any] = {"env": env, "args": vars(args), "lengths": lengths, "vocab": cfg.vocab_size,
                                "params": n_params, "flops": step_flops(model, cfg, lengths)}
@@ -289,10 +290,9 @@ def main() -> int:
                 model.zero_grad(set_to_none=True)
             return run
 
-        def head() -> None:
+        def head() -> None:  # what token_logprobs runs after the blocks: final norm + the fused fp32 head
             h = model.norm(x0.detach().requires_grad_(True))
-            lp = logprobs_from_logits(model.logits(h, fp32=True))
-            lp.gather(1, head_tok[:, None]).sum().backward()
+            token_logprobs_fused(h, model.lm_head_weight(), head_tok).sum().backward()
             model.zero_grad(set_to_none=True)
 
         first = {t: next(i for i, layer in enumerate(model.layers) if layer.layer_type == t)
@@ -324,7 +324,7 @@ def main() -> int:
     print(f"\nSUMMARY bi_trainer_step  {env_summary(env)}")
     print(f"    4-layer Qwen3.5-9B slice (3 GDN + 1 gated attn, hidden {cfg.dim}), vocab {cfg.vocab_size}, bf16 weights, "
           f"fp32 head; T={T} packed {lengths}; token_logprobs -> nansum -> backward")
-    print(f"    GDN: BI = recurrent {'FLA' if uses_fla else 'torch'} fwd + torch chunked bwd; non-BI = chunk "
+    print(f"    GDN: BI = recurrent {'FLA' if uses_fla else 'torch'} fwd + {'FLA' if uses_fla else 'torch'} chunked bwd; non-BI = chunk "
           f"{'FLA' if uses_fla else 'torch'} fwd+bwd. FLA #640 guard: {guard}")
     print(fmt_table(rows, [("mode", "mode", ""), ("ms_r1", "r1 ms/step", ".1f"), ("ms_r2", "r2 ms/step", ".1f"),
                            ("spread_pct", "spread%", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),

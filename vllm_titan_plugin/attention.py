@@ -5,9 +5,11 @@ fills its ``kernel`` slot with vLLM's own ``Attention`` layer, so keys/values go
 cache and the attention backend of the platform runs (CPU_ATTN on CPU, FlashAttention/Triton on GPU).
 
 In batch-invariant mode the backend is bypassed: the kernel writes this step's keys/values into
-vLLM's paged cache at vLLM's slots, gathers each sequence's keys/values through its block table and
-runs the trainer's ``attention_bi`` (fixed query tiles and KV blocks, no split-KV). vLLM still owns
-the cache memory, the block tables and prefix caching.
+vLLM's paged cache at vLLM's slots and runs the trainer's batch-invariant attention over them: on CUDA
+the Triton kernel of ``titan_rl_ext.kernels.attention_triton`` in one launch, reading keys through the
+block table (the trainer runs it over packed keys: same bits); on CPU ``attention_bi`` per sequence
+over keys gathered through the block table. vLLM still owns the cache memory, the block tables and
+prefix caching.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class VllmAttentionKernel(nn.Module):
         blk, off = slots // block_size, slots % block_size
         k_cache[blk, off] = k_TKH[:n].to(k_cache.dtype)
         v_cache[blk, off] = v_TKH[:n].to(v_cache.dtype)
+        if q_TNH.is_cuda and bi._triton() is not None:
+            return self._paged_bi_kernel(q_TNH, k_cache, v_cache, md)
         o_TNH = torch.zeros_like(q_TNH)
         qsl = md.query_start_loc.tolist()
         seq_lens = md.seq_lens.tolist()
@@ -90,4 +94,27 @@ class VllmAttentionKernel(nn.Module):
             k_seq = k_cache[ids].reshape(-1, *k_cache.shape[2:])[:L]
             v_seq = v_cache[ids].reshape(-1, *v_cache.shape[2:])[:L]
             o_TNH[qs:qe] = attention_bi(q_TNH[qs:qe], k_seq.to(q_TNH.dtype), v_seq.to(q_TNH.dtype), L - (qe - qs), self.scale)
+        return o_TNH
+
+    def _paged_bi_kernel(
+        self, q_TNH: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: object
+    ) -> torch.Tensor:
+        """The trainer's batch-invariant Triton kernel, reading keys/values through the block table:
+        one launch for every sequence of the step (prefill chunks and decodes alike)."""
+        from titan_rl_ext.kernels.attention_triton import bi_attention_fwd
+
+        n_seqs = md.seq_lens.shape[0]
+        qsl = md.query_start_loc[: n_seqs + 1].to(torch.int32)
+        max_q = getattr(md, "max_query_len", None)
+        if max_q is None:  # a host read, only where the backend's metadata lacks the bound
+            max_q = int((qsl[1:] - qsl[:-1]).max())
+        n = md.num_actual_tokens
+        o_TNH = torch.zeros_like(q_TNH)
+        if k_cache.dtype != q_TNH.dtype:
+            raise TypeError(f"batch-invariant attention reads the KV cache as {q_TNH.dtype}; the cache is "
+                            f"{k_cache.dtype} (serve with --kv-cache-dtype auto)")
+        o_TNH[:n] = bi_attention_fwd(
+            q_TNH[:n].contiguous(), k_cache, v_cache, qsl, md.seq_lens.to(torch.int32), int(max_q), self.scale,
+            block_table=md.block_table[:n_seqs].to(torch.int32),
+        )
         return o_TNH

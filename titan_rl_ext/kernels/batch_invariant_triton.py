@@ -12,8 +12,8 @@ Stock GPU GEMMs break it because their library picks tiles, and often split-K, f
 - ``row_sum_sq`` / ``row_mean_sq``: one program per row, a fixed ``BLOCK_D`` strip looping over D,
   fp32 lane accumulators then one tree reduction. The order depends on D alone.
 
-Both are wrapped in autograd functions (the backward passes use the same kernels / elementwise ops;
-gradients are deterministic but batch invariance is only promised for forward values).
+Both are wrapped in autograd functions. Batch invariance is promised for forward values only: the
+GEMM's backward (dgrad, wgrad) runs on cuBLAS, the reductions' backward on elementwise torch ops.
 
 Works under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported) on
 CPU tensors, which is how the CPU test suite checks it.
@@ -104,11 +104,13 @@ def _num_programs(device: torch.device) -> int:
     return _INTERPRET_PROGRAMS
 
 
-def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``a @ b`` (bf16/fp16/fp32; fp32 accumulation; output in the promoted dtype), batch invariant in M.
     ``b`` may have any strides (a transposed weight is read in place); ``a`` is made contiguous. Mixed
     dtypes compute in the promoted one, bit for bit as if both were cast first; a narrower ``b`` (the
-    bf16 LM head of an fp32 head) is widened tile by tile instead of copied (4 GB at a 248k vocabulary)."""
+    bf16 LM head of an fp32 head) is widened tile by tile instead of copied (4 GB at a 248k vocabulary).
+    ``out_dtype=torch.float32`` with bf16/fp16 operands stores the fp32 accumulator itself (the fp32 LM
+    head over bf16 hidden states and weights: tensor-core products, which are exact, and fp32 sums)."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"bi_matmul expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     if a_MK.device != b_KN.device:
@@ -116,11 +118,13 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     dtype = torch.promote_types(a_MK.dtype, b_KN.dtype)
     if dtype not in _MM_CONFIGS:
         raise TypeError(f"bi_matmul supports {sorted(map(str, _MM_CONFIGS))}; got {a_MK.dtype} and {b_KN.dtype}")
+    if out_dtype not in (None, dtype, torch.float32):
+        raise TypeError(f"bi_matmul writes {dtype} or float32; got out_dtype={out_dtype}")
     a = a_MK.to(dtype).contiguous()
     b = b_KN  # never wider than dtype; a narrower one is widened inside the kernel
     M, K = a.shape
     N = b.shape[1]
-    c = torch.empty(M, N, dtype=dtype, device=a.device)
+    c = torch.empty(M, N, dtype=out_dtype or dtype, device=a.device)
     if M == 0 or N == 0:
         return c
     if K == 0:
@@ -148,12 +152,14 @@ class _BIMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[no-untyped-def]
+        # Gradients need not be batch invariant (only the forward logprob must match the generator's):
+        # dgrad and wgrad run on the vendor GEMM. Under the interpreter (CPU tensors) torch's CPU GEMM.
         a, b = ctx.saved_tensors
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = bi_matmul(g, b.t()).to(a.dtype)
+            ga = torch.mm(g, b.t().to(g.dtype)).to(a.dtype)
         if ctx.needs_input_grad[1]:
-            gb = bi_matmul(a.to(g.dtype).t(), g).to(b.dtype)
+            gb = torch.mm(a.to(g.dtype).t(), g).to(b.dtype)
         return ga, gb
 
 

@@ -708,12 +708,15 @@ class RLTrainer(Trainer):
         if not mine:
             raise ValueError(f"prompts_per_step={len(groups)} leaves rank {self.rank} without groups")
 
-        # 2. pack; trainer recompute without grad (bit-wise parity + optional behaviour policy)
+        # 2. pack; the one forward of the step (with grad): its detached logprobs are the trainer's
+        # recompute for the bit-wise parity metric and the optional behaviour policy (in BI mode a second,
+        # no-grad forward would give the same bits)
         model = self.model_parts[0]
         packed = pack_samples(mine, device=self.device)
         seqs = SeqBatch.from_lengths(packed.lengths, device=self.device)
-        with torch.no_grad():
-            lp_re_T = token_logprobs(model, packed.tokens_T, seqs)
+        self.optimizers.zero_grad(set_to_none=True)
+        lp_new_T = token_logprobs(model, packed.tokens_T, seqs)
+        lp_re_T = lp_new_T.detach()
         # parity is defined for tokens sampled with the weights being trained (older tokens differ
         # because the policy moved): bit_wise/* over those, bit_wise_all/* over every loss token
         version_T = torch.tensor([v for s in mine for v in [-1] * len(s.prompt_ids) + list(s.token_versions)],
@@ -738,8 +741,6 @@ class RLTrainer(Trainer):
         if self.world > 1:
             global_tokens = local_tokens.clone()
             torch.distributed.all_reduce(global_tokens)
-        self.optimizers.zero_grad(set_to_none=True)
-        lp_new_T = token_logprobs(model, packed.tokens_T, seqs)
         kwargs: dict[str, Any] = {"cu_seqlens": seqs.cu_seqlens, "lp_gen_T": packed.gen_logprobs_T}
         if self.rl_loss.config.aggregation == "token_mean":
             kwargs["num_global_valid_tokens"] = global_tokens

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.attention import attention_bi
 from titan_rl_ext.kernels import ops
+from titan_rl_ext.kernels.varlen_attention import packed_causal_attention
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import RMSNorm
 from titan_rl_ext.models.common.rope import apply_rotary
@@ -52,8 +53,9 @@ class AttentionKernel(Protocol):
 
 
 class TorchAttentionKernel(nn.Module):
-    """Causal attention per packed sequence via SDPA, attending to a cached prefix when given one.
-    In batch-invariant mode: ``attention_bi`` (fixed query tiles and KV blocks, no split-KV)."""
+    """Causal attention within each packed sequence (``packed_causal_attention``: one flash launch, or the
+    batch-invariant Triton kernel), or over a cached prefix and the new tokens when given a ``KVState``
+    (inference without an engine: per sequence, or the BI kernel over the state's keys on CUDA)."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -67,21 +69,33 @@ class TorchAttentionKernel(nn.Module):
         batch: SeqBatch,
         state: KVState | None,
     ) -> tuple[torch.Tensor, KVState | None]:
+        if state is None:  # the trainer: one launch over all packed sequences
+            return packed_causal_attention(q_TNH, k_TKH, v_TKH, batch.cu_seqlens, batch.max_seqlen, self.scale), None
         bounds = batch.cu_seqlens.tolist()
-        if state is not None and len(state.k) != batch.num_seqs:
+        if len(state.k) != batch.num_seqs:
             raise ValueError(f"KV state holds {len(state.k)} sequences, batch has {batch.num_seqs}")
-        outs, new_k, new_v = [], [], []
+        new_k = [torch.cat([state.k[n], k_TKH[s:e]], dim=0) for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        new_v = [torch.cat([state.v[n], v_TKH[s:e]], dim=0) for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        new_state = KVState(tuple(new_k), tuple(new_v))
+        if bi.is_batch_invariant() and q_TNH.is_cuda and bi._triton() is not None:
+            # the kernel the trainer and the generator run, over this state's keys laid end to end
+            from titan_rl_ext.kernels.attention_triton import bi_attention_fwd
+
+            lens = [t.shape[0] for t in new_k]
+            dev = q_TNH.device
+            k_start = torch.tensor([0] + lens[:-1], device=dev).cumsum(0).to(torch.int32)
+            o = bi_attention_fwd(
+                q_TNH.contiguous(), torch.cat(new_k).contiguous(), torch.cat(new_v).contiguous(),
+                batch.cu_seqlens.to(device=dev, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32, device=dev),
+                max(batch.max_seqlen, 1), self.scale, k_start=k_start,
+            )
+            return o, new_state
+        outs = []
         for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            q, k, v = q_TNH[s:e], k_TKH[s:e], v_TKH[s:e]
-            prefix = 0
-            if state is not None:
-                prefix = state.k[n].shape[0]
-                k = torch.cat([state.k[n], k], dim=0)
-                v = torch.cat([state.v[n], v], dim=0)
-                new_k.append(k)
-                new_v.append(v)
             if e == s:
                 continue
+            q, k, v = q_TNH[s:e], new_k[n], new_v[n]
+            prefix = k.shape[0] - (e - s)
             if bi.is_batch_invariant():
                 outs.append(attention_bi(q, k, v, prefix, self.scale))
                 continue
@@ -101,7 +115,7 @@ class TorchAttentionKernel(nn.Module):
                 )
             outs.append(o.transpose(0, 1))
         o_TNH = torch.cat(outs, dim=0) if outs else q_TNH.new_zeros(0, *q_TNH.shape[1:-1], v_TKH.shape[-1])
-        return o_TNH, (KVState(tuple(new_k), tuple(new_v)) if state is not None else None)
+        return o_TNH, new_state
 
 
 class Attention(nn.Module):

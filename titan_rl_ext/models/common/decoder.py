@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels import ops
+from titan_rl_ext.kernels.lm_head import head_logits_fp32, token_logprobs_fused
 from titan_rl_ext.models.common.attention import Attention, KVState
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.mlp import FeedForward
@@ -159,12 +160,19 @@ class Decoder(nn.Module):
         return self.norm(x_TD), new_states
 
     def logits(self, h_TD: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        """LM head. ``fp32``: fp32 logits through ``head_logits_fp32``, the function the trainer's fused
+        logprob also calls (the generator's logits and the trainer's logprobs share their bits)."""
         w = self.lm_head_weight()
         if fp32:
-            # BI: the GEMM takes the weight in its own dtype and widens it per tile (same bits as a cast),
-            # sparing an fp32 copy of the head on every call (4 GB at Qwen3.5's vocabulary)
-            return ops.linear(h_TD.float(), w if bi.is_batch_invariant() else w.float())
+            return head_logits_fp32(h_TD, w)
         return ops.linear(h_TD, w)
+
+    def packed_token_logprobs(self, tokens_T: torch.Tensor, batch: SeqBatch, targets_T: torch.Tensor) -> torch.Tensor:
+        """``log_softmax(fp32 logits[t])[targets[t]]`` for every packed row, without materialising the
+        ``[T, V]`` logits (``token_logprobs_fused``). Registered as an FSDP forward method, like
+        ``packed_logits``."""
+        h_TD, _ = self.hidden(tokens_T, batch)
+        return token_logprobs_fused(h_TD, self.lm_head_weight(), targets_T)
 
     def packed_logits(self, tokens_T: torch.Tensor, batch: SeqBatch, fp32: bool = False) -> torch.Tensor:
         """Logits ``[T, V]`` of packed tokens. One method for embedding through LM head so that FSDP can

@@ -108,6 +108,7 @@ def parallelize_titan(model: TitanDecoder, *, parallel_dims: Any, **kwargs: Any)
     fully_shard(model, mesh=mesh)
     # the RL losses reach the model through packed_logits, not forward: gather the root's weights there too
     register_fsdp_forward_method(model, "packed_logits")
+    register_fsdp_forward_method(model, "packed_token_logprobs")
     return model
 
 

@@ -1,0 +1,186 @@
+"""GPU: the kernels that make batch invariance cheap in the trainer, checked on the device they run on.
+
+- the Triton BI flash-attention forward: packed = alone = paged (vLLM's block table, two block sizes) =
+  chunked prefill + decode, bit for bit, at Qwen3.5-9B attention shapes; error against float64;
+- its backward (FlashAttention varlen through torch) and the non-BI flash path against float64;
+- the fused fp32 head: BI logprobs bit-equal to ``log_softmax`` of the full logits at any row count, and
+  the gradient error of its bf16 backward against float64;
+- FLA's chunk backward with its Hopper/Triton-3.6 guard overridden (FLA #640): gradients against a
+  float64 reference at the shapes the project trains (9B heads, packed varlen, T = 8192 and 16384).
+
+Run on the GPU machine:  python -m pytest -q -s tests/gpu
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+DEV = "cuda"
+LENS_9B = [1000, 3000, 2500, 1692]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _qkv(lens: list[int], N: int, Kh: int, H: int, seed: int = 0, grad: bool = False):  # type: ignore[no-untyped-def]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lens)
+    q, k, v = (torch.randn(T, n, H, device=DEV, generator=g).bfloat16() for n in (N, Kh, Kh))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    if grad:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    return q, k, v, cu
+
+
+def _ref64(q, k, v, lens, scale):  # type: ignore[no-untyped-def]
+    outs, s = [], 0
+    rep = q.shape[1] // k.shape[1]
+    for n in lens:
+        qq = q[s : s + n].double().transpose(0, 1)
+        kk = k[s : s + n].double().repeat_interleave(rep, 1).transpose(0, 1)
+        vv = v[s : s + n].double().repeat_interleave(rep, 1).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale).transpose(0, 1))
+        s += n
+    return torch.cat(outs)
+
+
+def _paged(k: torch.Tensor, v: torch.Tensor, lens: list[int], bs: int, seed: int):  # type: ignore[no-untyped-def]
+    """Scatter each sequence's keys/values over shuffled blocks of a NaN-filled paged cache."""
+    n_blk = [-(-n // bs) for n in lens]
+    nb = sum(n_blk) + 3
+    kc = torch.full((nb, bs, *k.shape[1:]), float("nan"), dtype=k.dtype, device=DEV)
+    vc = torch.full_like(kc, float("nan"))
+    order = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).to(DEV)
+    bt = torch.zeros(len(lens), max(n_blk), dtype=torch.int32, device=DEV)
+    used, s = 0, 0
+    for i, n in enumerate(lens):
+        bt[i, : n_blk[i]] = order[used : used + n_blk[i]]
+        used += n_blk[i]
+        pos = torch.arange(n, device=DEV)
+        kc[bt[i, pos // bs].long(), pos % bs] = k[s : s + n]
+        vc[bt[i, pos // bs].long(), pos % bs] = v[s : s + n]
+        s += n
+    return kc, vc, bt
+
+
+@pytest.mark.parametrize("N,Kh,H", [(16, 4, 256), (32, 8, 128), (8, 8, 64)])  # Qwen3.5-9B, Qwen3-8B, MHA
+def test_bi_attention_packed_alone_paged_decode_bit_identical(N: int, Kh: int, H: int) -> None:
+    from titan_rl_ext.kernels.attention_triton import bi_attention_fwd
+
+    lens = LENS_9B if H == 256 else [300, 1, 777, 64]
+    q, k, v, cu = _qkv(lens, N, Kh, H)
+    scale = H**-0.5
+    sl = cu[1:] - cu[:-1]
+    o = bi_attention_fwd(q, k, v, cu, sl, max(lens), scale, k_start=cu[:-1])
+    ref = _ref64(q, k, v, lens, scale)
+    err = (o.double() - ref).abs().max().item() / ref.abs().max().item()
+    print(f"\n  BI attention N={N} K={Kh} H={H} T={sum(lens)}: max err / max |ref| = {err:.2e}")
+    assert err < 2**-6, err  # bf16 p and bf16 output
+    starts = cu[:-1].tolist()
+    for i, n in enumerate(lens):  # alone
+        s = starts[i]
+        one = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+        alone = bi_attention_fwd(q[s : s + n], k[s : s + n], v[s : s + n], one, sl[i : i + 1], n, scale,
+                                 k_start=torch.zeros(1, dtype=torch.int32, device=DEV))
+        assert torch.equal(alone, o[s : s + n]), i
+    for bs in (16, 544):  # vLLM's default, and a hybrid model's attention page (not a power of two)
+        kc, vc, bt = _paged(k, v, lens, bs, seed=bs)
+        for take in ([min(n, 37) for n in lens], [1] * len(lens)):  # a prefill chunk, then a decode step
+            qs = torch.cat([q[s + n - t : s + n] for s, n, t in zip(starts, lens, take)])
+            cuq = torch.tensor([0, *torch.tensor(take).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+            got = bi_attention_fwd(qs, kc, vc, cuq, sl, max(take), scale, block_table=bt)
+            want = torch.cat([o[s + n - t : s + n] for s, n, t in zip(starts, lens, take)])
+            assert torch.equal(got, want), (bs, take)
+
+
+def test_packed_attention_backward_and_flash_forward_against_float64() -> None:
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.kernels.varlen_attention import flash_usable, packed_causal_attention
+
+    lens = [300, 1, 700, 45]
+    N, Kh, H = 16, 4, 256
+    q, k, v, cu = _qkv(lens, N, Kh, H, seed=1, grad=True)
+    assert flash_usable(q), "torch's FlashAttention should take bf16 head_dim 256 on this GPU"
+    scale = H**-0.5
+    gy = torch.randn_like(q)
+    ins64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = _ref64(*ins64, lens, scale)
+    ref.backward(gy.double())
+    for bi_on in (True, False):
+        with batch_invariant(bi_on):
+            o = packed_causal_attention(q, k, v, cu, max(lens), scale)
+        o.backward(gy)
+        errs = [_rel(o.detach(), ref.detach())] + [_rel(t.grad, r.grad) for t, r in zip((q, k, v), ins64)]
+        print(f"\n  packed attention BI={bi_on}: rel err out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, dv {errs[3]:.1e}")
+        assert max(errs) < 2e-2, errs  # bf16 operands (2^-8 per element), fp32 accumulation
+        for t in (q, k, v):
+            t.grad = None
+
+
+def test_fused_head_bits_and_gradient_error() -> None:
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.kernels.lm_head import head_logits_fp32, token_logprobs_fused
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    D, V = 4096, 248320
+    w = (torch.randn(V, D, device=DEV, generator=g) * 0.02).bfloat16()
+    h = torch.randn(1024, D, device=DEV, generator=g).bfloat16()
+    tgt = torch.randint(0, V, (1024,), device=DEV, generator=g)
+    with batch_invariant(True):
+        lp = token_logprobs_fused(h, w, tgt)
+        for a, n in ((0, 1), (5, 7), (100, 256), (0, 1024)):  # decode-sized and prefill-sized row counts
+            full = head_logits_fp32(h[a : a + n], w).log_softmax(-1, dtype=torch.float32)
+            assert torch.equal(full.gather(1, tgt[a : a + n, None]).squeeze(1), lp[a : a + n]), (a, n)
+    # gradient error of the bf16 backward, against float64 (smaller vocabulary: the reference is dense)
+    Vs, T = 32768, 256
+    ws, hs, ts = w[:Vs].clone(), h[:T].clone(), tgt[:T] % Vs
+    gl = torch.randn(T, device=DEV, generator=g)
+    hh, ww = hs.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+    (token_logprobs_fused(hh, ww, ts) * gl).sum().backward()
+    h64, w64 = hs.double().requires_grad_(True), ws.double().requires_grad_(True)
+    lp64 = (h64 @ w64.t()).log_softmax(-1).gather(1, ts[:, None]).squeeze(1)
+    (lp64 * gl.double()).sum().backward()
+    e_h, e_w = _rel(hh.grad, h64.grad), _rel(ww.grad, w64.grad)
+    print(f"\n  fused head bf16 backward vs float64: rel err dh {e_h:.1e}, dW {e_w:.1e}")
+    assert e_h < 1e-2 and e_w < 1e-2, (e_h, e_w)
+
+
+@pytest.mark.parametrize("lens", [LENS_9B, [5000, 11384]])
+def test_fla_chunk_backward_gradients_against_float64(lens: list[int]) -> None:
+    """The gradient the BI GDN backward uses (FLA chunk, guard overridden) vs a float64 chunked reference,
+    at Qwen3.5-9B GDN heads (16 key / 32 value heads x 128), bf16 inputs as the layer passes them."""
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("needs fla")
+    from titan_rl_ext.kernels.gdn import allow_fla_chunk_backward, chunk_gated_delta_rule_torch, gated_delta_rule_bi
+
+    print(f"\n  FLA #640 guard: {allow_fla_chunk_backward()}")
+    g = torch.Generator(device=DEV).manual_seed(3)
+    T, H, HV, K = sum(lens), 16, 32, 128
+    q = F.normalize(torch.randn(T, H, K, device=DEV, generator=g), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(T, H, K, device=DEV, generator=g), dim=-1).bfloat16()
+    v = torch.randn(T, HV, K, device=DEV, generator=g).bfloat16()
+    gate = -F.softplus(torch.randn(T, HV, device=DEV, generator=g)) * 0.3
+    beta = torch.rand(T, HV, device=DEV, generator=g).bfloat16()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    w_o = torch.randn(T, HV, K, device=DEV, generator=g)
+    scale = K**-0.5
+    ins = [t.clone().requires_grad_(True) for t in (q, k, v, gate, beta)]
+    o, _ = gated_delta_rule_bi(*ins, cu, scale)
+    (o.float() * w_o).sum().backward()
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v, gate, beta)]
+    o64, _ = chunk_gated_delta_rule_torch(*ref_in, cu, scale, compute_dtype=torch.float64)
+    (o64 * w_o.double()).sum().backward()
+    errs = {n: _rel(a.grad, b.grad) for n, a, b in zip("q k v g beta".split(), ins, ref_in)}
+    print(f"  FLA chunk backward, T={T} {lens}: rel err vs float64 " + ", ".join(f"d{n} {e:.1e}" for n, e in errs.items()))
+    assert _rel(o.detach(), o64.detach()) < 1e-2
+    assert all(e < 2e-2 for e in errs.values()), errs  # bf16 inputs and intermediates; #640 gives O(1)

@@ -1,0 +1,78 @@
+"""The fused fp32 head (``kernels.lm_head``): the sampled token's logprob in row chunks, equal bit for bit to
+``log_softmax`` of the full fp32 logits (what the generator's sampler computes), and its backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_rl_ext.kernels import lm_head
+from titan_rl_ext.kernels.batch_invariant import batch_invariant
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.flavors import FLAVORS
+from titan_rl_ext.rl.logprobs import logprobs_from_logits, token_logprobs
+
+
+def _inputs(T: int = 45, D: int = 24, V: int = 97, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g)
+    w = torch.randn(V, D, generator=g) * 0.3
+    tgt = torch.randint(0, V, (T,), generator=g)
+    return h, w, tgt
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 1000])  # several chunks with a ragged last one, and one chunk
+def test_fused_logprobs_equal_full_log_softmax_in_bi_mode(monkeypatch: pytest.MonkeyPatch, chunk_rows: int) -> None:
+    h, w, tgt = _inputs()
+    monkeypatch.setattr(lm_head, "CHUNK_BYTES", chunk_rows * 4 * w.shape[0])
+    assert lm_head.chunk_rows(w.shape[0]) == chunk_rows
+    with batch_invariant(True):
+        lp = lm_head.token_logprobs_fused(h, w, tgt)
+        full = logprobs_from_logits(lm_head.head_logits_fp32(h, w)).gather(1, tgt[:, None]).squeeze(1)
+    assert lp.dtype == torch.float32 and torch.equal(lp, full)
+
+
+def test_fused_logprobs_backward_matches_autograd_of_the_full_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, w, tgt = _inputs(seed=1)
+    monkeypatch.setattr(lm_head, "CHUNK_BYTES", 8 * 4 * w.shape[0])
+    g_T = torch.randn(h.shape[0], generator=torch.Generator().manual_seed(2))
+    g_T[3] = 0.0  # an unused row (a sequence's last token) contributes nothing
+    grads = []
+    for fused in (True, False):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        if fused:
+            lp = lm_head.token_logprobs_fused(hh, ww, tgt)
+        else:
+            lp = (hh @ ww.t()).log_softmax(-1).gather(1, tgt[:, None]).squeeze(1)
+        (lp * g_T).sum().backward()
+        grads.append((hh.grad, ww.grad))
+    # fp32 on both sides, reductions over V=97 / T=45 terms of size O(1): 1e-5 covers fp32 rounding
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_logprobs_refuse_bad_shapes() -> None:
+    h, w, tgt = _inputs()
+    with pytest.raises(ValueError, match="expected h"):
+        lm_head.token_logprobs_fused(h, w[:, :5], tgt)
+    with pytest.raises(ValueError, match="targets must be"):
+        lm_head.token_logprobs_fused(h, w, tgt[:-1])
+
+
+def test_token_logprobs_equal_the_unfused_formula_bit_for_bit() -> None:
+    cfg = FLAVORS["qwen3_5-debug"]
+    torch.manual_seed(0)
+    model = cfg.build()
+    model.init_weights()
+    lens = [9, 1, 17]
+    toks = torch.randint(0, cfg.vocab_size, (sum(lens),))
+    batch = SeqBatch.from_lengths(lens)
+    with torch.no_grad(), batch_invariant(True):
+        lp = token_logprobs(model, toks, batch)
+        lp_TV = logprobs_from_logits(model.packed_logits(toks, batch, fp32=True))
+    starts = {0, 9, 10}
+    for t in range(sum(lens)):
+        if t in starts:
+            assert torch.isnan(lp[t])
+        else:
+            assert torch.equal(lp[t], lp_TV[t - 1, toks[t]]), t

@@ -1,0 +1,114 @@
+"""The fp32 LM head, and the sampled token's logprob without a ``[T, V]`` fp32 tensor.
+
+``head_logits_fp32`` is the one function both sides call for fp32 logits (the generator's
+``compute_logits``, the trainer through ``token_logprobs_fused``). With bf16/fp16 hidden states and
+weights on CUDA it multiplies the 16-bit values on the tensor cores with fp32 accumulation and fp32
+output: the products of two bf16 numbers are exact in fp32, so this is an fp32 head over the same
+inputs, at bf16 speed (the older path widened both operands and ran an fp32 "ieee" GEMM, ~100x slower).
+Batch invariant mode: the Triton BI GEMM; otherwise cuBLAS. Elsewhere (CPU, fp32 models): the operands
+are widened to fp32 as before.
+
+``token_logprobs_fused`` returns ``log_softmax(h @ W^T)[t, target_t]`` for every row, computed over
+row chunks of at most ``CHUNK_BYTES`` of fp32 logits, with the same ``log_softmax`` call vLLM's sampler
+makes on the generator's logits (row by row, so chunking does not change a row's bits). Its backward
+recomputes each chunk's logits, forms ``g * (onehot - softmax)`` and runs dgrad/wgrad as 16-bit GEMMs
+with fp32 accumulation (cuBLAS; gradients need not be batch invariant); ``benchmarks/bi_head.py``
+measures the gradient error against float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_rl_ext.kernels import batch_invariant as bi
+
+CHUNK_BYTES = 4 << 30  # fp32 logits per chunk (and as much again for its log-softmax)
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _low_precision_cuda(h: torch.Tensor, w: torch.Tensor) -> bool:
+    return h.is_cuda and h.dtype in _LOW and w.dtype == h.dtype
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit CUDA operands with an fp32 result (cuBLAS, fp32 accumulation)."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):  # a torch without mm(out_dtype=)
+        return torch.mm(a.float(), b.float())
+
+
+def head_logits_fp32(h_TD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
+    """fp32 logits ``[T, V]`` of hidden states ``h`` under head weight ``w`` (see the module docstring).
+    Differentiable through the BI GEMM and widened paths; use ``token_logprobs_fused`` to train."""
+    if _low_precision_cuda(h_TD, w_VD):
+        if bi.is_batch_invariant() and bi._triton() is not None:
+            return bi._triton().bi_matmul(h_TD.contiguous(), w_VD.t(), out_dtype=torch.float32)
+        return _mm_fp32_out(h_TD, w_VD.t())
+    if bi.is_batch_invariant():
+        # the BI GEMM takes the weight in its own dtype and widens it per tile (same bits as a cast)
+        return bi.linear(h_TD.float(), w_VD)
+    return F.linear(h_TD.float(), w_VD.float())
+
+
+def chunk_rows(V: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(V, 1)))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, w_VD, targets_T):  # type: ignore[no-untyped-def]
+        T, V = h_TD.shape[0], w_VD.shape[0]
+        out = torch.empty(T, dtype=torch.float32, device=h_TD.device)
+        step = chunk_rows(V)
+        for r0 in range(0, T, step):
+            r1 = min(T, r0 + step)
+            lp = head_logits_fp32(h_TD[r0:r1], w_VD).log_softmax(dim=-1, dtype=torch.float32)
+            out[r0:r1] = lp.gather(1, targets_T[r0:r1, None]).squeeze(1)
+            del lp
+        ctx.save_for_backward(h_TD, w_VD, targets_T)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_T):  # type: ignore[no-untyped-def]
+        h, w, tgt = ctx.saved_tensors
+        T, V = h.shape[0], w.shape[0]
+        low = _low_precision_cuda(h, w)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.empty_like(h) if need_h else None
+        dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        g_T = g_T.float()
+        step = chunk_rows(V)
+        for r0 in range(0, T, step):
+            r1 = min(T, r0 + step)
+            h_c, g_c = h[r0:r1], g_T[r0:r1]
+            logits = _mm_fp32_out(h_c, w.t()) if low else F.linear(h_c.float(), w.float())
+            grad = torch.softmax(logits, dim=-1)  # d lp / d logits = onehot - softmax, times g
+            del logits
+            grad.mul_(-g_c[:, None])
+            grad.scatter_add_(1, tgt[r0:r1, None], g_c[:, None])
+            if low:
+                grad_lo = grad.to(h.dtype)
+                del grad
+                if need_h:
+                    dh[r0:r1] = grad_lo @ w
+                if need_w:
+                    dw32 += _mm_fp32_out(grad_lo.t(), h_c)
+            else:
+                if need_h:
+                    dh[r0:r1] = (grad @ w.float()).to(h.dtype)
+                if need_w:
+                    dw32 += grad.t() @ h_c.float()
+                del grad
+        return dh, (dw32.to(w.dtype) if need_w else None), None
+
+
+def token_logprobs_fused(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    """``lp[t] = log_softmax(fp32 logits of h[t])[targets[t]]``, fp32 ``[T]``, differentiable in ``h`` and
+    ``w``; never holds more than one chunk of logits. Bits equal ``head_logits_fp32`` + ``log_softmax``."""
+    if h_TD.dim() != 2 or w_VD.dim() != 2 or h_TD.shape[1] != w_VD.shape[1]:
+        raise ValueError(f"expected h [T, D] and w [V, D]; got {tuple(h_TD.shape)} and {tuple(w_VD.shape)}")
+    if targets_T.shape != (h_TD.shape[0],):
+        raise ValueError(f"targets must be [T={h_TD.shape[0]}]; got {tuple(targets_T.shape)}")
+    return _TokenLogprobs.apply(h_TD, w_VD, targets_T.long())

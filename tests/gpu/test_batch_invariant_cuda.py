@@ -145,6 +145,31 @@ def test_bi_gemm_lm_head_fp32_over_bf16_weight() -> None:
         assert torch.equal(bi.linear(x[:M], w), y[:M])
 
 
+def test_bi_gemm_lm_head_bf16_operands_fp32_output() -> None:
+    """The model's fp32 head on CUDA (``head_logits_fp32`` in BI mode): bf16 hidden states and weight on
+    the tensor cores, fp32 accumulator stored as is. Probe rows bit-identical at every row count swept
+    (decode sizes 1..256 all of them), fp32-accurate against float64."""
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.kernels.lm_head import head_logits_fp32
+
+    K, N = LM_HEAD
+    g = torch.Generator(device=DEV).manual_seed(6)
+    w = (torch.randn(N, K, device=DEV, generator=g) * K**-0.5).bfloat16()
+    probes = torch.randn(N_PROBES, K, device=DEV, generator=g).bfloat16()
+    filler = torch.randn(max(LM_HEAD_ROWS), K, device=DEV, generator=g).bfloat16()
+    with batch_invariant(True):
+        bad = _sweep_rows(lambda x: head_logits_fp32(x, w), probes, filler, LM_HEAD_ROWS)
+        y = head_logits_fp32(probes, w)
+    assert not bad, f"fp32-output head changed probe bits at M in {bad[:20]} ({len(bad)} of {len(LM_HEAD_ROWS)})"
+    assert y.dtype == torch.float32
+    y64 = probes.double() @ w.double().t()
+    err = (y.double() - y64).abs()
+    bound = _gemm_bound(probes, w, y64, torch.float32)
+    assert (err <= bound).all(), f"max err {err.max().item():.3e}, worst err/bound {(err / bound).max().item():.3f}"
+    print(f"\n  fp32-output head bf16 operands: {len(LM_HEAD_ROWS)} row counts bit-identical; max |err| vs fp64 "
+          f"{err.max().item():.2e} (max err/bound {(err / bound).max().item():.2f})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_bi_gemm_other_dtypes(dtype: torch.dtype) -> None:
     _gemm_case(4096, 1024, dtype, list(range(1, 300)) + [511, 512, 513, 1000, 2048])

@@ -2,8 +2,8 @@
 # On the GPU machine, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH) and with
 # fla-core's wheel in .whl/: the plugin inside real vLLM on checkpoints with the real Qwen3.5-9B and
 # Qwen3.5-35B-A3B layer shapes (4 layers: 3 GDN + 1 gated attention; real vocabulary; random bf16 weights).
-#   bash tests/gpu/run_vllm_e2e.sh setup    # install the package + FLA, build the checkpoints on the GPU
-#   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off, prefix caching + split prefills, both shapes
+#   bash tests/gpu/run_vllm_e2e.sh setup    # install the package + FLA, build the checkpoints on the GPU (SKIP_MOE / SKIP_VLM=1: fewer)
+#   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off (PARITY_BI_ONLY=1: on), prefix caching + split prefills, both shapes
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
 #   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py titan vs native (BI off, eager)
 #   bash tests/gpu/run_vllm_e2e.sh bench_bi # the same, titan with BI on vs off
@@ -25,7 +25,7 @@ if [[ $what == setup || $what == all ]]; then
         --layout text --dtype bfloat16 --device cuda --out $ck/dense > "$out/make_dense.log" 2>&1 || { tail -5 "$out/make_dense.log"; exit 1; }
     [ -f $ck/moe/config.json ] || [ -n "${SKIP_MOE:-}" ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5_moe --shape qwen3_5-35b-a3b --layers 4 \
         --layout text --dtype bfloat16 --device cuda --out $ck/moe > "$out/make_moe.log" 2>&1 || { tail -5 "$out/make_moe.log"; exit 1; }
-    [ -f $ck/dense_vlm/config.json ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
+    [ -f $ck/dense_vlm/config.json ] || [ -n "${SKIP_VLM:-}" ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
         --layout vlm --dtype bfloat16 --device cuda --out $ck/dense_vlm > "$out/make_dense_vlm.log" 2>&1 || { tail -5 "$out/make_dense_vlm.log"; exit 1; }
     echo "checkpoints built in $(( $(date +%s) - t )) s: $(du -sh $ck/* | tr '\n' ' ')"
 fi
@@ -39,9 +39,9 @@ parity() {  # name, args...
 }
 if [[ $what == parity || $what == all ]]; then
     parity dense_bi   --model-dir $ck/dense --max-num-batched-tokens 528 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
-    parity dense_nobi --model-dir $ck/dense --max-num-batched-tokens 528 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
+    [ -n "${PARITY_BI_ONLY:-}" ] || parity dense_nobi --model-dir $ck/dense --max-num-batched-tokens 528 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
     parity moe_bi     --model-dir $ck/moe --max-num-batched-tokens 1056 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
-    parity moe_nobi   --model-dir $ck/moe --max-num-batched-tokens 1056 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
+    [ -n "${PARITY_BI_ONLY:-}" ] || parity moe_nobi   --model-dir $ck/moe --max-num-batched-tokens 1056 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
 fi
 
 if [[ $what == ipc || $what == all ]]; then

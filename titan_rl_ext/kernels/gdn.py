@@ -225,7 +225,7 @@ FLA_CHUNK_BWD_ENV = "TITAN_FLA_CHUNK_BWD"
 def allow_fla_chunk_backward() -> str:
     """Let fla-core's chunk backward run on Hopper with Triton 3.4..3.7.0, where fla-core 0.6.0 refuses it
     (FLA issue #640: ``chunk_bwd_dqkwg`` miscompiled at BK=64 on those Triton releases). Allowed because
-    ``tests/gpu/test_gdn_grad_cuda.py`` checks its gradients against a float64 reference at the shapes the
+    ``tests/gpu/test_bi_kernels_cuda.py`` checks its gradients against a float64 reference at the shapes the
     project trains (Qwen3.5 heads, packed varlen, T up to 16K) on the GPU it runs on; ``TITAN_FLA_CHUNK_BWD=0``
     keeps the guard (then BI mode differentiates the torch chunked form, and non-BI training raises).
     The guard reads module globals at call time, so setting the flag on that module is enough."""
@@ -240,7 +240,7 @@ def allow_fla_chunk_backward() -> str:
     if not active:
         return "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
     co.TRITON_ABOVE_3_7_1 = True
-    return "overridden (gradients checked by tests/gpu/test_gdn_grad_cuda.py)"
+    return "overridden (gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
 
 
 def fla_chunk_backward_allowed() -> bool:

@@ -143,12 +143,33 @@ def environment(dev: torch.device) -> dict[str, Any]:
                     tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
     else:
         info.update(gpu=None, cpu=platform.machine(), torch_threads=torch.get_num_threads())
-    try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                     text=True, timeout=5).stdout.strip() or None
-    except Exception:
-        info["git"] = None
+    info.update(git_state())
     return info
+
+
+def git_state() -> dict[str, str | None]:
+    """``git``: HEAD, with ``+changes`` when the files differ from it; ``git_tree``: the hash of the tree
+    the files form (``git write-tree`` through a scratch index). A device machine's copy of the repo may
+    carry an older ``.git`` than its files: ``git_tree`` equals ``git rev-parse <commit>^{tree}`` of the
+    commit that really ran, whatever HEAD says there."""
+    import os
+    import tempfile
+
+    def git(*args: str, env: dict[str, str] | None = None) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20,
+                              env=env).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD") or None
+        with tempfile.TemporaryDirectory() as d:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(d, "index"))
+            git("read-tree", "HEAD", env=env)
+            git("add", "-A", env=env)
+            tree = git("write-tree", env=env) or None
+        same = tree is not None and tree == git("rev-parse", "HEAD^{tree}")
+        return {"git": head if same or head is None else f"{head}+changes", "git_tree": tree}
+    except Exception:
+        return {"git": None, "git_tree": None}
 
 
 def print_header(title: str, env: dict[str, Any]) -> None:

@@ -165,27 +165,12 @@ def _check_gemm_fp32_out() -> None:
             assert torch.equal(tri.bi_matmul(x[s : s + n], w.t(), out_dtype=torch.float32), y[s : s + n])
 
 
-def _attention_ref64(q, k, v, lens, scale):  # type: ignore[no-untyped-def]
-    import torch
-    import torch.nn.functional as F
-
-    outs, s = [], 0
-    rep = q.shape[1] // k.shape[1]
-    for n in lens:
-        qq = q[s : s + n].double().transpose(0, 1)
-        kk = k[s : s + n].double().repeat_interleave(rep, 1).transpose(0, 1)
-        vv = v[s : s + n].double().repeat_interleave(rep, 1).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale).transpose(0, 1))
-        s += n
-    return torch.cat(outs)
-
-
 def _check_attention() -> None:
     """The BI flash-attention forward: packed = alone = paged chunk = decode step, bit for bit; close to
     float64 and to the plain-PyTorch reference ``attention_bi``."""
     import torch
 
-    from titan_rl_ext.kernels.attention import attention_bi
+    from titan_rl_ext.kernels.attention import attention_bi, causal_attention_reference
     from titan_rl_ext.kernels.attention_triton import bi_attention_fwd
 
     g = torch.Generator().manual_seed(4)
@@ -198,7 +183,7 @@ def _check_attention() -> None:
         sl = torch.tensor(lens, dtype=i32)
         o = bi_attention_fwd(q, k, v, cu, sl, max(lens), scale, k_start=cu[:-1].clone())
         assert o.dtype == dtype and o.shape == q.shape
-        ref = _attention_ref64(q, k, v, lens, scale)
+        ref = causal_attention_reference(q, k, v, lens, scale)
         # bf16: p is rounded to bf16 before p @ v and the output to bf16 (the interpreter truncates: one
         # ulp, 2^-7 relative); fp32: fp32 exp/sums over <= 130 keys
         tol = 2.0**-6 if dtype == torch.bfloat16 else 1e-5

@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_rl_ext.kernels.attention import causal_attention_reference
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -40,18 +42,6 @@ def _qkv(lens: list[int], N: int, Kh: int, H: int, seed: int = 0, grad: bool = F
     if grad:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     return q, k, v, cu
-
-
-def _ref64(q, k, v, lens, scale):  # type: ignore[no-untyped-def]
-    outs, s = [], 0
-    rep = q.shape[1] // k.shape[1]
-    for n in lens:
-        qq = q[s : s + n].double().transpose(0, 1)
-        kk = k[s : s + n].double().repeat_interleave(rep, 1).transpose(0, 1)
-        vv = v[s : s + n].double().repeat_interleave(rep, 1).transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale).transpose(0, 1))
-        s += n
-    return torch.cat(outs)
 
 
 def _paged(k: torch.Tensor, v: torch.Tensor, lens: list[int], bs: int, seed: int):  # type: ignore[no-untyped-def]
@@ -82,7 +72,7 @@ def test_bi_attention_packed_alone_paged_decode_bit_identical(N: int, Kh: int, H
     scale = H**-0.5
     sl = cu[1:] - cu[:-1]
     o = bi_attention_fwd(q, k, v, cu, sl, max(lens), scale, k_start=cu[:-1])
-    ref = _ref64(q, k, v, lens, scale)
+    ref = causal_attention_reference(q, k, v, lens, scale)
     err = (o.double() - ref).abs().max().item() / ref.abs().max().item()
     print(f"\n  BI attention N={N} K={Kh} H={H} T={sum(lens)}: max err / max |ref| = {err:.2e}")
     assert err < 2**-6, err  # bf16 p and bf16 output
@@ -114,7 +104,7 @@ def test_packed_attention_backward_and_flash_forward_against_float64() -> None:
     scale = H**-0.5
     gy = torch.randn_like(q)
     ins64 = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref = _ref64(*ins64, lens, scale)
+    ref = causal_attention_reference(*ins64, lens, scale)
     ref.backward(gy.double())
     for bi_on in (True, False):
         with batch_invariant(bi_on):

@@ -74,3 +74,20 @@ def attention_bi(
         outs.append(acc / l_sum[..., None])
     o = torch.cat(outs, dim=1)[:, :T]  # [N, T, Hv]
     return o.transpose(0, 1).to(q_TNH.dtype)
+
+
+def causal_attention_reference(
+    q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, lengths: list[int], scale: float,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence, computed in ``dtype`` (float64: the reference the
+    kernel checks measure errors against). Differentiable; GQA by repeating key/value heads."""
+    rep = q_TNH.shape[1] // k_TKH.shape[1]
+    outs, s = [], 0
+    for n in lengths:
+        q = q_TNH[s : s + n].to(dtype).transpose(0, 1)
+        k = k_TKH[s : s + n].to(dtype).repeat_interleave(rep, 1).transpose(0, 1)
+        v = v_TKH[s : s + n].to(dtype).repeat_interleave(rep, 1).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
+        s += n
+    return torch.cat(outs) if outs else q_TNH.new_zeros(0, *q_TNH.shape[1:], dtype=dtype)

@@ -220,6 +220,7 @@ def _fla_gated_delta_rule(
 
 
 FLA_CHUNK_BWD_ENV = "TITAN_FLA_CHUNK_BWD"
+_guard_overridden = False
 
 
 def allow_fla_chunk_backward() -> str:
@@ -235,12 +236,15 @@ def allow_fla_chunk_backward() -> str:
         import fla.ops.common.chunk_o as co
     except Exception as e:  # no fla: nothing to guard
         return f"n/a (fla not importable: {type(e).__name__})"
+    global _guard_overridden
     active = bool(getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
                   and not getattr(co, "TRITON_ABOVE_3_7_1", True))
-    if not active:
-        return "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
-    co.TRITON_ABOVE_3_7_1 = True
-    return "overridden (gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
+    if active:
+        co.TRITON_ABOVE_3_7_1 = True
+        _guard_overridden = True
+    if _guard_overridden:
+        return "overridden (gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
+    return "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
 
 
 def fla_chunk_backward_allowed() -> bool:

@@ -206,7 +206,7 @@ def test_bad_push_rejected_and_weights_unchanged(server: Server, case: str) -> N
 
 def _fake_manifest(reference: dict[str, torch.Tensor], drop: str | None = None) -> dict[str, Any]:
     """A structurally valid CUDA IPC manifest (the handles are never opened on a CPU server)."""
-    from titan_rl_ext.rl.cuda_ipc import FORMAT
+    from titan_rl_ext.wire.cuda_ipc import FORMAT
 
     return {"format": FORMAT, "tensors": {
         n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()), "offset": 0,

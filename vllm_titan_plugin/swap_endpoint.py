@@ -11,7 +11,7 @@ Routes (added to vLLM's app by wrapping its ``build_app``, see ``compat.wrap_api
   (``keep``: in-flight requests keep their KV/GDN state; ``recompute``: they are preempted and
   recompute), copy the tensors into the parameters in place in the workers, bump the version, resume.
 - ``POST /titan/v1/weights?version=N&transport=cuda_ipc`` (same host, GPU): the body is a JSON manifest of
-  CUDA IPC handles (``titan_rl_ext.rl.cuda_ipc``) instead of bytes. Names, dtypes and shapes are checked
+  CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``) instead of bytes. Names, dtypes and shapes are checked
   from the manifest (422), then, paused, each worker opens the handles, checks every tensor is finite
   (422, nothing copied) and copies device to device.
 - ``GET /titan/v1/weights/version`` -> ``{"version": N}``.
@@ -44,19 +44,15 @@ import torch
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request  # module level: FastAPI resolves the string annotations
 
+from titan_rl_ext.wire.protocol import (
+    BI_ROUTE, MODES, SALT_PREFIX, TOKEN_ENV, TRANSPORTS, VERSION_FIELD, VERSION_HEADER, WEIGHTS_ROUTE,
+)
 from vllm_titan_plugin import compat
 
 logger = logging.getLogger("vllm.titan_plugin")
 
-TOKEN_ENV = "TITAN_SWAP_TOKEN"
-ROUTE = "/titan/v1/weights"
-BI_ROUTE = "/titan/v1/batch_invariant"
-VERSION_HEADER = "x-titan-weight-version"
-VERSION_FIELD = "titan_weight_version"
-SALT_PREFIX = "titan-v"
+ROUTE = WEIGHTS_ROUTE
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-MODES = ("keep", "recompute")
-TRANSPORTS = ("safetensors", "cuda_ipc")
 # After the pause returns, outputs of the last engine step may still be on their way through the
 # API server's output handler; they carry the old weights and must be tagged with the old version.
 FLUSH_SECONDS = 0.05
@@ -140,7 +136,7 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
     """Open the sender's CUDA IPC handles, check names/shapes/dtypes and finiteness of *every* tensor,
     then copy device to device. Returns ``{"num_tensors": n}`` or ``{"problems": [...], "tensors": [...]}``
     with nothing copied."""
-    from titan_rl_ext.rl.cuda_ipc import import_tensors
+    from titan_rl_ext.wire.cuda_ipc import import_tensors
 
     params = _titan_params(worker)
     if any(p.device.type != "cuda" for p in params.values()):
@@ -164,7 +160,7 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
 
 
 def worker_weight_checksums(worker: Any) -> dict[str, str]:
-    from titan_rl_ext.rl.weight_sync import tensor_checksum
+    from titan_rl_ext.wire.weights import tensor_checksum
 
     return {name: tensor_checksum(p) for name, p in _titan_params(worker).items()}
 
@@ -186,7 +182,7 @@ class PushRejected(Exception):
 
 def _manifest_spec(manifest: dict[str, Any]) -> dict[str, list[Any]]:
     """A CUDA IPC manifest's [safetensors dtype, shape] per name (``ValueError`` on a malformed one)."""
-    from titan_rl_ext.rl.cuda_ipc import manifest_spec
+    from titan_rl_ext.wire.cuda_ipc import manifest_spec
 
     return {n: [_ST_DTYPE.get(dt, str(dt)), shape] for n, (dt, shape) in manifest_spec(manifest).items()}
 
@@ -497,7 +493,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 
 async def _push_cuda_ipc(state: SwapState, engine: Any, request: Request, spec: dict[str, list[Any]], version: int,
                          mode: str) -> Any:
-    """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.rl.cuda_ipc``)."""
+    """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``)."""
     body = bytearray()
     async for chunk in request.stream():
         body += chunk

@@ -1,4 +1,4 @@
-"""GPU: the CUDA IPC weight transport (``titan_rl_ext.rl.cuda_ipc``) between two processes.
+"""GPU: the CUDA IPC weight transport (``titan_rl_ext.wire.cuda_ipc``) between two processes.
 
 The parent exports a state dict (bf16 and fp32, a non-contiguous view, tensors sharing one storage); a
 child process opens the manifest, copies into its own parameters and reports checksums, which must equal
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 _CHILD = r"""
 import json, sys, torch
-from titan_rl_ext.rl.cuda_ipc import import_tensors
-from titan_rl_ext.rl.weight_sync import checksum
+from titan_rl_ext.wire.cuda_ipc import import_tensors
+from titan_rl_ext.wire.weights import checksum
 manifest = json.loads(sys.stdin.read())
 opened = import_tensors(manifest)
 mine = {n: torch.empty(t.shape, dtype=t.dtype, device="cuda") for n, t in opened.items()}
@@ -33,8 +33,8 @@ print("CHECKSUMS " + json.dumps(checksum(mine)))
 
 
 def test_cuda_ipc_roundtrip_bit_exact() -> None:
-    from titan_rl_ext.rl.cuda_ipc import export_tensors
-    from titan_rl_ext.rl.weight_sync import checksum
+    from titan_rl_ext.wire.cuda_ipc import export_tensors
+    from titan_rl_ext.wire.weights import checksum
 
     g = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(256, 512, device="cuda", generator=g)
@@ -56,7 +56,7 @@ def test_cuda_ipc_roundtrip_bit_exact() -> None:
 
 
 def test_cuda_ipc_refuses_cpu_tensors() -> None:
-    from titan_rl_ext.rl.cuda_ipc import export_tensors
+    from titan_rl_ext.wire.cuda_ipc import export_tensors
 
     with pytest.raises(ValueError, match="needs CUDA tensors; w is on cpu"):
         export_tensors({"w": torch.zeros(2)})

@@ -31,8 +31,8 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     from titan_rl_ext.models.hf import load_hf_model
-    from titan_rl_ext.rl.cuda_ipc import export_tensors
-    from titan_rl_ext.rl.weight_sync import checksum
+    from titan_rl_ext.wire.cuda_ipc import export_tensors
+    from titan_rl_ext.wire.weights import checksum
 
     llm = LLM(model=args.model_dir, model_impl="titan", dtype="bfloat16", attention_backend="TRITON_ATTN",
               enforce_eager=True, gpu_memory_utilization=0.35, max_model_len=2048, seed=0)

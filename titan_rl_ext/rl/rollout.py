@@ -31,6 +31,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from titan_rl_ext.wire.protocol import VERSION_FIELD
+from titan_rl_ext.wire.protocol import VERSION_ROUTE as VERSION_PATH
+
 __all__ = [
     "ENV_TOKEN_VERSION",
     "VERSION_FIELD",
@@ -55,8 +58,6 @@ __all__ = [
     "rollout_group",
 ]
 
-VERSION_FIELD = "titan_weight_version"
-VERSION_PATH = "/titan/v1/weights/version"
 # Tokens the environment wrote were produced by no policy: they get this version and never count
 # towards a sequence's oldest version (which decides its staleness).
 ENV_TOKEN_VERSION = -1

@@ -68,7 +68,9 @@ import torch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
+from titan_rl_ext.kernels.batch_invariant import ENV_VAR as BI_ENV
 from titan_rl_ext.rl.losses import DAPOLoss, DPPOLoss, GRPOLoss, PolicyLoss
+from titan_rl_ext.wire.protocol import TOKEN_ENV, VERSION_ROUTE
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class RLConfig:
     server_args: list[str] = field(default_factory=list)
     """Extra arguments for the spawned server (e.g. ``--dtype float32 --max-model-len 512``)."""
     server_boot_timeout_s: float = 600.0
-    swap_token_env: str = "TITAN_SWAP_TOKEN"
+    swap_token_env: str = TOKEN_ENV
     """Environment variable holding the generators' swap token (a spawned server gets a random one if unset)."""
     model_dir: str = ""
     """HF checkpoint the run starts from (the trainer loads it; the generators serve it)."""
@@ -539,7 +541,7 @@ class RLTrainer(Trainer):
             token = token or secrets.token_hex(16)
             from titan_rl_ext.rl.generator_server import GeneratorServer
 
-            env = {"TITAN_SWAP_TOKEN": token, "TITAN_BATCH_INVARIANT": "1" if self._bi_at(self.step) else "0"}
+            env = {TOKEN_ENV: token, BI_ENV: "1" if self._bi_at(self.step) else "0"}
             self._generator_bi = self._bi_at(self.step)
             self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env)
             self._server.wait_ready(rl.server_boot_timeout_s)
@@ -578,7 +580,7 @@ class RLTrainer(Trainer):
     def _server_version(url: str) -> int:
         import requests
 
-        r = requests.get(f"{url.rstrip('/')}/titan/v1/weights/version", timeout=30)
+        r = requests.get(f"{url.rstrip('/')}{VERSION_ROUTE}", timeout=30)
         if r.status_code == 404:
             raise RuntimeError(f"{url} has no weight-swap endpoint: start it with TITAN_SWAP_TOKEN set")
         r.raise_for_status()

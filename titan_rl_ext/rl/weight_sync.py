@@ -4,13 +4,12 @@ The generators run vLLM with ``--model-impl titan`` and ``TITAN_SWAP_TOKEN`` set
 (``vllm_titan_plugin.swap_endpoint``). The payload is a safetensors file (never pickle) holding the full
 titan state dict under titan names; each server validates all of it before touching any weight and swaps
 in place. With ``transport="cuda_ipc"`` (same host, GPU) only CUDA IPC handles travel
-(``titan_rl_ext.rl.cuda_ipc``). ``checksum`` is the function both sides use, so the trainer can compare its tensors with
+(``titan_rl_ext.wire.cuda_ipc``). ``checksum`` is the function both sides use, so the trainer can compare its tensors with
 ``GET /titan/v1/weights/checksums`` bit for bit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,13 @@ from typing import Any
 
 import torch
 
-WEIGHTS_ROUTE = "/titan/v1/weights"
-TRANSPORTS = ("safetensors", "cuda_ipc")
-"""``safetensors``: the bytes over HTTP (CPU, GPU, across hosts). ``cuda_ipc``: CUDA IPC handles in a JSON
-manifest, for a generator on the same host that sees the trainer's GPU (``rl.cuda_ipc``)."""
-BI_ROUTE = "/titan/v1/batch_invariant"
+# the protocol's names and bytes live in titan_rl_ext.wire (the serving plugin imports them too); re-exported
+# here for the trainer's callers
+from titan_rl_ext.wire.protocol import BI_ROUTE, MODES, TRANSPORTS, WEIGHTS_ROUTE
+from titan_rl_ext.wire.weights import checksum, serialize, tensor_checksum
+
+__all__ = ["BI_ROUTE", "TRANSPORTS", "WEIGHTS_ROUTE", "WeightPushError", "WeightPusher", "checksum", "serialize",
+           "tensor_checksum"]
 
 
 class WeightPushError(RuntimeError):
@@ -31,27 +32,6 @@ class WeightPushError(RuntimeError):
     def __init__(self, message: str, results: list[dict[str, Any]]) -> None:
         super().__init__(message)
         self.results = results
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """sha256 over dtype, shape and the raw bytes: equal digests mean bit-identical tensors."""
-    t = t.detach().to("cpu").contiguous()
-    h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-    # A uint8 view exposes the raw bytes of any dtype (bf16 included) without numpy dtype support.
-    h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
-def checksum(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Per-tensor checksums, comparable with the server's ``GET /titan/v1/weights/checksums``."""
-    return {name: tensor_checksum(t) for name, t in state_dict.items()}
-
-
-def serialize(state_dict: Mapping[str, torch.Tensor]) -> bytes:
-    """The safetensors bytes of a state dict (CPU, contiguous; shared storage is copied apart)."""
-    from safetensors.torch import save
-
-    return save({name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()})
 
 
 class WeightPusher:
@@ -77,7 +57,7 @@ class WeightPusher:
         (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``). Raises
         ``WeightPushError`` naming every server that rejected the push."""
         if self.transport == "cuda_ipc":
-            from titan_rl_ext.rl.cuda_ipc import export_tensors
+            from titan_rl_ext.wire.cuda_ipc import export_tensors
 
             manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
             try:
@@ -94,7 +74,7 @@ class WeightPusher:
         return self._push(payload, version, mode, {})
 
     def _push(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
-        if mode not in ("keep", "recompute"):
+        if mode not in MODES:
             raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
         params = {"version": str(int(version)), "mode": mode, **extra}
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:

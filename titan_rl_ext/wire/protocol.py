@@ -1,0 +1,20 @@
+"""Names of the swap endpoint's protocol, shared by the pusher, the rollout client and the server."""
+
+from __future__ import annotations
+
+TOKEN_ENV = "TITAN_SWAP_TOKEN"
+"""The server enables its swap routes only with this set; clients send it as a bearer token."""
+WEIGHTS_ROUTE = "/titan/v1/weights"
+VERSION_ROUTE = f"{WEIGHTS_ROUTE}/version"
+CHECKSUMS_ROUTE = f"{WEIGHTS_ROUTE}/checksums"
+BI_ROUTE = "/titan/v1/batch_invariant"
+TRANSPORTS = ("safetensors", "cuda_ipc")
+"""``safetensors``: the bytes over HTTP (CPU, GPU, across hosts). ``cuda_ipc``: CUDA IPC handles in a JSON
+manifest, for a generator on the same host that sees the trainer's GPU (``wire.cuda_ipc``)."""
+MODES = ("keep", "recompute")
+"""What a swap does to requests in flight: continue on their KV/GDN state, or recompute it with the new weights."""
+VERSION_HEADER = "x-titan-weight-version"
+VERSION_FIELD = "titan_weight_version"
+"""Key the server splices into each streamed JSON chunk: the weight version that chunk was produced with."""
+SALT_PREFIX = "titan-v"
+"""Prefix-cache salt of a request is ``titan-v<version>``: no cache hits across weight versions."""

@@ -35,7 +35,7 @@ def test_a_log_stays_fp32_under_bf16(tiny_ckpt) -> None:
     model, _ = load_hf_model(tiny_ckpt("qwen3_5"), dtype=torch.bfloat16)
     gdn = [layer.linear_attn for layer in model.layers if layer.layer_type == "linear_attention"]
     assert gdn and all(m.A_log.dtype == torch.float32 for m in gdn)
-    assert all(m.in_proj_qkv.weight.dtype == torch.bfloat16 for m in gdn)
+    assert all(m.in_proj.weight.dtype == torch.bfloat16 for m in gdn)
     ref, _ = load_hf_model(tiny_ckpt("qwen3_5"))
     assert torch.equal(gdn[0].A_log, ref.layers[0].linear_attn.A_log)  # not rounded through bf16
     states = model.init_states(2)

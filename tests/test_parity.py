@@ -48,7 +48,7 @@ def test_parity_without_bi_shows_the_gap(tiny_ckpt) -> None:
 @pytest.mark.slow
 def test_doctor_names_the_broken_op(tiny_ckpt) -> None:
     """One op nudged by one ulp in the engine only: BI parity fails and the doctor points at that op."""
-    op = "layers.2.feed_forward.w3"
+    op = "layers.2.feed_forward.w13"
     rc, st, out = _parity(tiny_ckpt("qwen3_5"), "--bi", "--doctor", "--perturb-generator-op", op,
                           "--num-seqs", "4", "--max-tokens", "8")
     assert rc == 1 and st["differing"] > 0

@@ -116,6 +116,37 @@ def test_wrong_shape_is_named(tiny_ckpt, tmp_path: Path) -> None:
         load_hf_model(d)
 
 
+def test_merged_projection_parts_roundtrip_and_are_checked_one_by_one(tiny_ckpt, tmp_path: Path) -> None:
+    """q/k/v, GDN qkv/z/b/a and gate/up are one titan GEMM each: the parts concatenate in column order,
+    split back exactly, and a missing or misshapen part is named by its HF key."""
+    src = tiny_ckpt("qwen3_5", layout="text")
+    hf_cfg = read_config(src)
+    adapter = adapter_for(hf_cfg, config_from_hf(hf_cfg))
+    hf_sd = read_safetensors(src)
+    sd = adapter.from_hf(hf_sd)
+    gdn = [k for k in sd if k.endswith("linear_attn.in_proj.weight")][0]
+    i = gdn.split(".")[1]
+    parts = [hf_sd[f"model.layers.{i}.linear_attn.in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")]
+    assert torch.equal(sd[gdn], torch.cat(parts))
+    attn = [k for k in sd if k.endswith("attention.wqkv.weight")][0]
+    j = attn.split(".")[1]
+    assert torch.equal(sd[attn], torch.cat([hf_sd[f"model.layers.{j}.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert torch.equal(sd[f"layers.{j}.feed_forward.w13.weight"],
+                       torch.cat([hf_sd[f"model.layers.{j}.mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+    missing = f"model.layers.{i}.linear_attn.in_proj_z.weight"
+    d = _broken_copy(src, tmp_path / "mp", lambda s: s.pop(missing))
+    with pytest.raises(CheckpointMismatchError, match=rf"missing keys: .*{missing.replace('.', r'[.]')}"):
+        load_hf_model(d)
+    short = f"model.layers.{j}.self_attn.k_proj.weight"
+    d = _broken_copy(src, tmp_path / "sp", lambda s: s.__setitem__(short, s[short][:-1].contiguous()))
+    with pytest.raises(CheckpointMismatchError, match=rf"shape mismatches: {short.replace('.', r'[.]')}"):
+        load_hf_model(d)
+    narrow = f"model.layers.{j}.mlp.up_proj.weight"
+    d = _broken_copy(src, tmp_path / "np", lambda s: s.__setitem__(narrow, s[narrow][:, :-1].contiguous()))
+    with pytest.raises(CheckpointMismatchError, match=rf"shape mismatches: {narrow.replace('.', r'[.]')}"):
+        load_hf_model(d)
+
+
 def test_incomplete_experts_are_an_error(tiny_ckpt, tmp_path: Path) -> None:
     key = "model.layers.0.mlp.experts.5.up_proj.weight"
     d = _broken_copy(tiny_ckpt("qwen3_moe"), tmp_path / "e", lambda sd: sd.pop(key))

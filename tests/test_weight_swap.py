@@ -160,11 +160,11 @@ def _bad_payload(ref: dict[str, torch.Tensor], case: str) -> tuple[dict[str, tor
         sd["tok_embeddings.weight"] = sd["tok_embeddings.weight"][:-1]
         return sd, "tok_embeddings.weight"
     if case == "wrong_dtype":
-        sd["layers.1.attention.wq.weight"] = sd["layers.1.attention.wq.weight"].to(torch.bfloat16)
-        return sd, "layers.1.attention.wq.weight"
+        sd["layers.1.attention.wqkv.weight"] = sd["layers.1.attention.wqkv.weight"].to(torch.bfloat16)
+        return sd, "layers.1.attention.wqkv.weight"
     if case == "nan":
-        sd["layers.2.feed_forward.w1.weight"][3, 5] = float("nan")
-        return sd, "layers.2.feed_forward.w1.weight"
+        sd["layers.2.feed_forward.w13.weight"][3, 5] = float("nan")
+        return sd, "layers.2.feed_forward.w13.weight"
     if case == "inf":
         sd["layers.0.linear_attn.A_log"][0] = float("inf")
         return sd, "layers.0.linear_attn.A_log"

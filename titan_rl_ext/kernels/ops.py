@@ -8,6 +8,8 @@ no wrapper: IEEE rounding makes them independent of what else is in the tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -59,3 +61,22 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of one input as one GEMM (one launch, one read of the input): the output columns
+    are the parts back to back, ``split`` cuts them apart. Each part keeps its own checkpoint tensor: the
+    state-dict adapter concatenates HF's split weights into this one and splits it back (``parts``). In
+    batch-invariant mode a column's bits do not depend on the columns beside it, so merging changes none."""
+
+    def __init__(self, in_features: int, parts: Sequence[int], bias: bool = False) -> None:
+        if not parts or any(n <= 0 for n in parts):
+            raise ValueError(f"MergedLinear needs positive part sizes, got {list(parts)}")
+        super().__init__(in_features, sum(parts), bias=bias)
+        self.parts = tuple(int(n) for n in parts)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.parts, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, parts={self.parts}"

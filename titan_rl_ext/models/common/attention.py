@@ -119,7 +119,7 @@ class TorchAttentionKernel(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA attention. Qwen3.5 (``output_gate=True``): ``wq`` yields per head ``[q; gate]`` and the
+    """GQA attention. Qwen3.5 (``output_gate=True``): the q part of ``wqkv`` yields per head ``[q; gate]`` and the
     output is multiplied by ``sigmoid(gate)`` before ``wo``; q/k norms are zero-centred there."""
 
     def __init__(
@@ -139,9 +139,9 @@ class Attention(nn.Module):
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.output_gate = output_gate
-        self.wq = ops.Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=bias)
-        self.wk = ops.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wv = ops.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        # q_proj (per head [q; gate] with the output gate), k_proj, v_proj as one GEMM
+        q_out, kv_out = n_heads * head_dim * (2 if output_gate else 1), n_kv_heads * head_dim
+        self.wqkv = ops.MergedLinear(dim, [q_out, kv_out, kv_out], bias=bias)
         self.wo = ops.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm)
         self.k_norm = RMSNorm(head_dim, norm_eps, zero_centered=zero_centered_norm)
@@ -155,14 +155,14 @@ class Attention(nn.Module):
         state: KVState | None = None,
     ) -> tuple[torch.Tensor, KVState | None]:
         T = x_TD.shape[0]
-        q = self.wq(x_TD)
+        q, k, v = self.wqkv.split(self.wqkv(x_TD))
         if self.output_gate:
             q_gate = q.view(T, self.n_heads, 2 * self.head_dim)
             q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
             gate_TF = gate.reshape(T, -1)
         q_TNH = self.q_norm(q.reshape(T, self.n_heads, self.head_dim))
-        k_TKH = self.k_norm(self.wk(x_TD).view(T, self.n_kv_heads, self.head_dim))
-        v_TKH = self.wv(x_TD).view(T, self.n_kv_heads, self.head_dim)
+        k_TKH = self.k_norm(k.reshape(T, self.n_kv_heads, self.head_dim))
+        v_TKH = v.reshape(T, self.n_kv_heads, self.head_dim)
         cos, sin = rope
         q_TNH = apply_rotary(q_TNH, cos, sin)
         k_TKH = apply_rotary(k_TKH, cos, sin)

@@ -7,13 +7,14 @@ from titan_rl_ext.kernels import ops
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)`` (w1 = gate_proj, w3 = up_proj, w2 = down_proj)."""
+    """SwiGLU: ``w2(silu(gate x) * up x)``. ``w13`` holds gate_proj and up_proj as one GEMM (parts
+    ``[hidden, hidden]``); ``w2`` is down_proj."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = ops.Linear(dim, hidden_dim, bias=False)
+        self.w13 = ops.MergedLinear(dim, [hidden_dim, hidden_dim], bias=False)
         self.w2 = ops.Linear(hidden_dim, dim, bias=False)
-        self.w3 = ops.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w2(ops.silu(self.w1(x_TD)) * self.w3(x_TD))
+        gate_TF, up_TF = self.w13.split(self.w13(x_TD))
+        return self.w2(ops.silu(gate_TF) * up_TF)

@@ -4,6 +4,10 @@ Strictness is the point: every HF tensor either maps onto a titan parameter or b
 text model deliberately does not serve (vision tower, MTP head), which is skipped with one log line.
 Anything else -- a missing key, an unexpected key, a wrong shape, an incomplete expert set -- raises a
 ``CheckpointMismatchError`` naming the keys. Nothing is dropped silently.
+
+The titan model merges projections that read the same input (q/k/v, GDN's qkv/z/b/a, gate/up) into one
+``MergedLinear``; HF keeps them split. ``from_hf`` concatenates the parts in column order (every part
+present, each with the part's row count) and ``to_hf`` splits them back, so a round trip is exact.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from titan_rl_ext.kernels.ops import MergedLinear
 from titan_rl_ext.models.common.decoder import DecoderConfig
 
 logger = logging.getLogger(__name__)
@@ -26,36 +31,34 @@ ExpertLayout = Literal["fused", "per_expert"]
 _LAYER_RENAMES: dict[str, str] = {
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
-    "self_attn.q_proj.bias": "attention.wq.bias",
-    "self_attn.k_proj.bias": "attention.wk.bias",
-    "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.bias": "attention.wo.bias",
     "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight",
-    "linear_attn.in_proj_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "linear_attn.in_proj_z.weight": "linear_attn.in_proj_z.weight",
-    "linear_attn.in_proj_b.weight": "linear_attn.in_proj_b.weight",
-    "linear_attn.in_proj_a.weight": "linear_attn.in_proj_a.weight",
     "linear_attn.conv1d.weight": "linear_attn.conv_weight",
     "linear_attn.dt_bias": "linear_attn.dt_bias",
     "linear_attn.A_log": "linear_attn.A_log",
     "linear_attn.norm.weight": "linear_attn.norm.weight",
     "linear_attn.out_proj.weight": "linear_attn.out_proj.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.gate.weight": "moe.router.gate.weight",
     "mlp.experts.down_proj": "moe.experts.w2",
-    "mlp.shared_expert.gate_proj.weight": "moe.shared_expert.w1.weight",
-    "mlp.shared_expert.up_proj.weight": "moe.shared_expert.w3.weight",
     "mlp.shared_expert.down_proj.weight": "moe.shared_expert.w2.weight",
     "mlp.shared_expert_gate.weight": "moe.shared_gate.weight",
 }
 _LAYER_RENAMES_INV = {v: k for k, v in _LAYER_RENAMES.items()}
+# titan merged projection (``ops.MergedLinear``) -> the HF modules of its parts, in column order; each
+# parameter (".weight", ".bias") is the concatenation along dim 0 of the parts' tensors
+_MERGED: dict[str, tuple[str, ...]] = {
+    "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                            "linear_attn.in_proj_a"),
+    "feed_forward.w13": ("mlp.gate_proj", "mlp.up_proj"),
+    "moe.shared_expert.w13": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+}
+_PART_OF: dict[str, tuple[str, int]] = {
+    f"{hf}.{p}": (f"{merged}.{p}", j) for merged, hfs in _MERGED.items() for j, hf in enumerate(hfs) for p in ("weight", "bias")
+}
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # [E, 2I, D] = cat(w1, w3) along dim 1
 _PER_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _PER_EXPERT_TARGET = {"gate_proj": "moe.experts.w1", "up_proj": "moe.experts.w3", "down_proj": "moe.experts.w2"}
@@ -93,6 +96,11 @@ class HFStateDictAdapter:
         with torch.device("meta"):
             model = config.build()
         self.expected: dict[str, torch.Size] = {k: v.shape for k, v in model.state_dict().items()}
+        # merged parameter (titan key) -> its parts' row counts, read off the model's MergedLinear modules
+        self.merged_parts: dict[str, tuple[int, ...]] = {
+            f"{path}.{p}": m.parts for path, m in model.named_modules() if isinstance(m, MergedLinear)
+            for p in ("weight", "bias") if getattr(m, p, None) is not None
+        }
 
     # -- HF -> titan ------------------------------------------------------------------------------
     def detect_layout(self, hf_keys: list[str]) -> TextLayout:
@@ -111,6 +119,7 @@ class HFStateDictAdapter:
         out: dict[str, torch.Tensor] = {}
         unexpected: list[str] = []
         skipped: list[str] = []
+        merged: dict[str, dict[int, tuple[str, torch.Tensor]]] = defaultdict(dict)  # titan key -> part -> (HF key, t)
         experts: dict[tuple[int, str], dict[int, torch.Tensor]] = defaultdict(dict)
         expert_source: dict[tuple[int, str], list[str]] = defaultdict(list)
         saw_per_expert = saw_fused = False
@@ -146,6 +155,9 @@ class HFStateDictAdapter:
             i, suffix = int(m.group(1)), m.group(2)
             if suffix in _LAYER_RENAMES:
                 out[f"layers.{i}.{_LAYER_RENAMES[suffix]}"] = t
+            elif suffix in _PART_OF:
+                target, j = _PART_OF[suffix]
+                merged[f"layers.{i}.{target}"][j] = (key, t)
             elif suffix == _FUSED_GATE_UP:
                 saw_fused = True
                 if t.dim() != 3 or t.shape[1] % 2:
@@ -178,6 +190,25 @@ class HFStateDictAdapter:
                 raise CheckpointMismatchError(f"{target}: experts have different shapes {sorted(shapes)}")
             out[target] = torch.stack([parts[e] for e in range(n)])
 
+        missing_parts: list[str] = []
+        bad_parts: list[str] = []
+        for target, parts in merged.items():
+            sizes = self.merged_parts.get(target)
+            if sizes is None:  # parts of a projection this config does not have (e.g. a bias)
+                unexpected.extend(k for k, _ in parts.values())
+                continue
+            names = self._part_names(target, prefix)
+            missing_parts += [names[j] for j in range(len(sizes)) if j not in parts]
+            tail = tuple(self.expected[target][1:])
+            bad_parts += [f"{k}: checkpoint {tuple(t.shape)} vs model part {(sizes[j], *tail)}" for j, (k, t) in parts.items()
+                          if t.dim() != 1 + len(tail) or t.shape[0] != sizes[j] or tuple(t.shape[1:]) != tail]
+            if len(parts) == len(sizes) and not bad_parts:
+                out[target] = torch.cat([parts[j][1] for j in range(len(sizes))], dim=0)
+        if missing_parts or bad_parts:
+            raise CheckpointMismatchError("checkpoint does not match the model config -- "
+                                          + " | ".join(([f"missing keys: {_fmt(missing_parts)}"] if missing_parts else [])
+                                                       + ([f"shape mismatches: {'; '.join(bad_parts[:20])}"] if bad_parts else [])))
+
         if skipped:
             roots = sorted({".".join(k.split(".")[:2]) for k in skipped})
             logger.info("skipped %d checkpoint tensors the text model does not serve (%s)", len(skipped), ", ".join(roots))
@@ -205,6 +236,13 @@ class HFStateDictAdapter:
             problems.append(f"shape mismatches: {'; '.join(bad_shapes[:20])}")
         if problems:
             raise CheckpointMismatchError("checkpoint does not match the model config -- " + " | ".join(problems))
+
+    def _part_names(self, titan_key: str, prefix: str) -> list[str]:
+        """HF keys of a merged parameter's parts, in column order."""
+        m = _LAYER_KEY.fullmatch(titan_key)
+        assert m is not None
+        module, param = m.group(2).rsplit(".", 1)
+        return [f"{prefix}layers.{m.group(1)}.{hf}.{param}" for hf in _MERGED[module]]
 
     def _hf_name(self, titan_key: str) -> str:
         """Best-effort HF name of a titan key, for error messages."""
@@ -241,6 +279,15 @@ class HFStateDictAdapter:
                     if len(pending_gate_up[i]) == 2:
                         parts = pending_gate_up.pop(i)
                         out[base + _FUSED_GATE_UP] = torch.cat([parts["moe.experts.w1"], parts["moe.experts.w3"]], dim=1)
+                elif key in self.merged_parts:
+                    names = self._part_names(key, prefix)
+                    if _partial:
+                        out.update({n: t for n in names})
+                        continue
+                    sizes = self.merged_parts[key]
+                    if t.shape[0] != sum(sizes):
+                        raise ValueError(f"{key}: {t.shape[0]} rows, expected {sum(sizes)} ({sizes})")
+                    out.update(zip(names, torch.split(t, sizes, dim=0)))
                 elif suffix in _LAYER_RENAMES_INV:
                     out[base + _LAYER_RENAMES_INV[suffix]] = t
                 else:

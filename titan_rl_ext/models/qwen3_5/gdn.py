@@ -111,10 +111,8 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, dim: int, cfg: GDNConfig, norm_eps: float, mode: GDNMode = "chunk") -> None:
         super().__init__()
         self.cfg = cfg
-        self.in_proj_qkv = ops.Linear(dim, cfg.conv_dim, bias=False)
-        self.in_proj_z = ops.Linear(dim, cfg.value_dim, bias=False)
-        self.in_proj_b = ops.Linear(dim, cfg.n_v_heads, bias=False)
-        self.in_proj_a = ops.Linear(dim, cfg.n_v_heads, bias=False)
+        # HF's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one GEMM
+        self.in_proj = ops.MergedLinear(dim, [cfg.conv_dim, cfg.value_dim, cfg.n_v_heads, cfg.n_v_heads], bias=False)
         # depthwise conv weight in nn.Conv1d's layout [C, 1, W] (the checkpoint's layout)
         self.conv_weight = nn.Parameter(torch.empty(cfg.conv_dim, 1, cfg.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(cfg.n_v_heads))
@@ -144,20 +142,21 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, GDNState | None]:
         cfg = self.cfg
         T = x_TD.shape[0]
+        mixed_TC, z_TF, b_TH, a_TH = self.in_proj.split(self.in_proj(x_TD))
         qkv_TC, conv_state = self.conv_kernel(
-            self.in_proj_qkv(x_TD), self.conv_weight.squeeze(1), batch, None if state is None else state.conv
+            mixed_TC.contiguous(), self.conv_weight.squeeze(1), batch, None if state is None else state.conv
         )
         q, k, v = torch.split(qkv_TC, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q_THK = l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
         k_THK = l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
-        beta_TH = ops.sigmoid(self.in_proj_b(x_TD))
-        g_TH = -ops.exp(self.A_log.float()) * ops.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)
+        beta_TH = ops.sigmoid(b_TH.contiguous())
+        g_TH = -ops.exp(self.A_log.float()) * ops.softplus(a_TH.float() + self.dt_bias)
         o_THV, ssm_state = self.rule_kernel(
             q_THK, k_THK, v_THV, g_TH, beta_TH, batch,
             cfg.k_head_dim**-0.5, None if state is None else state.ssm,
         )
-        z_THV = self.in_proj_z(x_TD).view(T, cfg.n_v_heads, cfg.v_head_dim)
+        z_THV = z_TF.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
         o_TF = self.norm(o_THV.to(x_TD.dtype), z_THV).reshape(T, cfg.value_dim)
         new_state = None if state is None else GDNState(conv_state, ssm_state)
         return self.out_proj(o_TF), new_state

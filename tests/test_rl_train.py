@@ -66,7 +66,7 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
     import requests
 
     with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
-        _torchrun(tmp_path, cache, srv.base, 3, "train1.log")
+        _torchrun(tmp_path, cache, srv.base, 3, "train1.log", extra=("--rl.export-hf-dir", str(tmp_path / "export")))
         run = tmp_path / "run"
         recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == [1, 2, 3] and [r["version"] for r in recs] == [1, 2, 3]
@@ -98,6 +98,12 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
         final = json.loads((run / "final_checksums.json").read_text())
         assert final["version"] == 3 and final["server_matches"] is True
         assert server_sums == final["checksums"]
+        # the policy exported as a stock HF checkpoint at the end holds exactly the trainer's final weights
+        from titan_rl_ext.models.hf import load_hf_model
+        from titan_rl_ext.rl.weight_sync import checksum
+
+        exported, _ = load_hf_model(tmp_path / "export")
+        assert checksum(exported.state_dict()) == final["checksums"]
         log = (tmp_path / "server.log").read_text()
         assert TOKEN not in log and (tmp_path / "train1.log").read_text().count(TOKEN) == 0
 

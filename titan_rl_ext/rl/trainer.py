@@ -136,6 +136,10 @@ class RLConfig:
     log_rollouts: bool = True
     final_checksums: bool = True
     """After the last step write the trainer's per-tensor checksums (and whether the first generator's match)."""
+    export_hf_dir: str = ""
+    """After the last step write the policy as a stock HF checkpoint shaped like ``model_dir`` (architecture,
+    config, key layout, tokenizer; ``titan_rl_ext.tools.export``), loadable by transformers and vLLM's native
+    class. Any torchtitan checkpoint step of a run exports the same way: ``python -m titan_rl_ext.tools.export``."""
     seed: int = 0
     """The prompt stream's shuffle and, with ``seeded_sampling``, every sample's sampling seed."""
     seeded_sampling: bool = True
@@ -831,6 +835,8 @@ class RLTrainer(Trainer):
             self.metrics_processor.log(self.step, loss_v, loss_v, float(grad_norm), extra_metrics=scalars)
         if last and rl.final_checksums:
             self._write_final_checksums()
+        if last and rl.export_hf_dir:
+            self._export_hf(rl.export_hf_dir)
 
     def _log_rollouts(self, groups: list[list[Any]], staleness: list[int]) -> None:
         # a group's group_id is its prompt's index in the prompt stream (what a resume checks)
@@ -858,6 +864,14 @@ class RLTrainer(Trainer):
         except Exception as e:  # noqa: BLE001 -- recorded, not fatal
             out["server_error"] = f"{type(e).__name__}: {e}"
         (self.run_dir / FINAL_CHECKSUMS_FILE).write_text(json.dumps(out, indent=1))
+
+    def _export_hf(self, out_dir: str) -> None:
+        from titan_rl_ext.tools.export import export_hf
+
+        sd = _full_state_dict(self.model_parts[0])  # every rank gathers; rank 0 writes
+        if self.rank == 0:
+            export_hf(sd, self.config.rl.model_dir, out_dir)
+            logger.info("exported the policy at step %d as an HF checkpoint: %s", self.step, out_dir)
 
     def close(self) -> None:
         if getattr(self, "_service", None) is not None:

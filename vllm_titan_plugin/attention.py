@@ -21,7 +21,7 @@ from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.attention import attention_bi
 from titan_rl_ext.models.common.attention import KVState
 from titan_rl_ext.models.common.batch import SeqBatch
-from vllm_titan_plugin import compat
+from vllm_titan_plugin import checks, compat
 
 
 class VllmAttentionKernel(nn.Module):
@@ -53,6 +53,9 @@ class VllmAttentionKernel(nn.Module):
             cache_config=cache_config,
             prefix=f"{prefix}.attn",
         )
+        problem = checks.attention_head_size_problem(getattr(self.attn, "attn_backend", None), head_dim)
+        if problem is not None:
+            raise ValueError(problem)
 
     def forward(
         self,

@@ -86,17 +86,44 @@ def mamba_state_tensors(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Ten
 def paged_kv_views(attn_layer: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v) views ``[num_blocks, block_size, n_kv_heads, head_dim]`` of an ``Attention`` layer's paged
     cache, for the batch-invariant path that writes and reads the cache itself. Layouts differ per
-    backend: CPU_ATTN ``[NB, K, bs, 2*D]``; FlashAttention/Triton ``[2, NB, bs, K, D]``."""
+    release and backend: vLLM 0.32's logical per-layer view ``[NB, K, bs, 2*D]`` (CPU_ATTN); 0.26's
+    FlashAttention ``[2, NB, bs, K, D]`` and Triton ``[NB, 2, bs, K, D]``. Which of the last two a 5-D cache
+    is comes from the backend's own ``get_kv_cache_shape``, not from the sizes: a cache of 2 blocks is
+    ``[2, 2, ...]`` either way."""
     kv = attn_layer.kv_cache
     if isinstance(kv, (list, tuple)):
         kv = kv[get_forward_context().virtual_engine]
+    return split_kv_cache(kv, head_dim, getattr(attn_layer, "attn_backend", None))
+
+
+def split_kv_cache(kv: torch.Tensor, head_dim: int, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if kv.dim() == 4 and kv.shape[-1] == 2 * head_dim:
         return kv[..., :head_dim].transpose(1, 2), kv[..., head_dim:].transpose(1, 2)
-    if kv.dim() == 5 and kv.shape[0] == 2:
-        return kv[0], kv[1]
-    if kv.dim() == 5 and kv.shape[1] == 2:
-        return kv[:, 0], kv[:, 1]
+    if kv.dim() == 5:
+        axis = _kv_axis(kv, backend)
+        return (kv[0], kv[1]) if axis == 0 else (kv[:, 0], kv[:, 1])
     raise NotImplementedError(f"unknown paged KV cache layout {tuple(kv.shape)} for batch-invariant attention")
+
+
+def _kv_axis(kv: torch.Tensor, backend: Any) -> int:
+    """Where the K/V axis of a 5-D paged cache is (0 or 1), as the backend declares its shape."""
+    get_shape = getattr(backend, "get_kv_cache_shape", None)
+    if get_shape is not None:
+        try:  # 3 blocks: a count that cannot be mistaken for the K/V pair
+            shape = tuple(get_shape(3, kv.shape[2], kv.shape[3], kv.shape[4]))
+        except Exception:  # noqa: BLE001 -- a backend that wants other arguments: judge by the sizes below
+            shape = ()
+        if shape[:2] == (2, 3):
+            return 0
+        if shape[:2] == (3, 2):
+            return 1
+    if kv.shape[0] == 2 and kv.shape[1] != 2:
+        return 0
+    if kv.shape[1] == 2 and kv.shape[0] != 2:
+        return 1
+    raise NotImplementedError(
+        f"paged KV cache {tuple(kv.shape)} could be [2, NB, ...] or [NB, 2, ...] and the attention backend "
+        f"({type(backend).__name__}) does not declare its shape; batch-invariant attention cannot tell K from V")
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -21,7 +21,7 @@ from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, Decoder
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError
 from titan_rl_ext.models.hf import adapter_for, architecture_of, config_from_hf
-from vllm_titan_plugin import compat
+from vllm_titan_plugin import checks, compat
 from vllm_titan_plugin.attention import VllmAttentionKernel
 from vllm_titan_plugin.gdn_layer import INNER, VllmGatedDeltaNet, gdn_state_dtypes, gdn_state_shapes
 
@@ -69,6 +69,8 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
             raise NotImplementedError("--model-impl titan does not support speculative decoding")
         if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
             raise NotImplementedError("--model-impl titan does not support prompt embeddings")
+        if bi.is_batch_invariant() and (problem := checks.batch_invariance_problem(vllm_config)) is not None:
+            raise ValueError(problem)
 
     def _install_vllm_layers(self, vllm_config: compat.VllmConfig, model_prefix: str) -> None:
         cache_config = vllm_config.cache_config

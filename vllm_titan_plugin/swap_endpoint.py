@@ -47,7 +47,7 @@ from starlette.requests import ClientDisconnect, Request  # module level: FastAP
 from titan_rl_ext.wire.protocol import (
     BI_ROUTE, MODES, SALT_PREFIX, TOKEN_ENV, TRANSPORTS, VERSION_FIELD, VERSION_HEADER, WEIGHTS_ROUTE,
 )
-from vllm_titan_plugin import compat
+from vllm_titan_plugin import checks, compat
 
 logger = logging.getLogger("vllm.titan_plugin")
 
@@ -396,6 +396,9 @@ def _make_router(state: SwapState) -> Any:
             return _error(400, "query parameter 'enabled' must be 0/1/true/false")
         enabled = raw in ("1", "true")
         engine = compat.engine_client_of(request.app)
+        config = getattr(engine, "vllm_config", None)
+        if enabled and config is not None and (problem := checks.batch_invariance_problem(config)) is not None:
+            return _error(409, problem)  # refused before anything is paused: the engine keeps serving as it was
         async with state.lock:
             await compat.pause_generation(engine, keep_cache=False)
             try:

@@ -39,11 +39,24 @@ ENV_VAR = "TITAN_BATCH_INVARIANT"
 _enabled = os.environ.get(ENV_VAR, "0").lower() in ("1", "true", "yes")
 
 
+def _pin_fp32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+if _enabled:  # a process started with BI on (an engine worker) pins TF32 off like set_batch_invariant
+    _pin_fp32()
+
+
 def set_batch_invariant(enabled: bool) -> None:
-    """Process-wide; also exported to the environment so child processes (engine workers) follow."""
+    """Process-wide; also exported to the environment so child processes (engine workers) follow.
+    Turning it on pins TF32 off (torch's fp32 matmul and cuDNN flags): TF32 rounds fp32 products
+    differently, and both sides of a run must do the same arithmetic. Turning it off leaves them."""
     global _enabled
     _enabled = bool(enabled)
     os.environ[ENV_VAR] = "1" if _enabled else "0"
+    if _enabled:
+        _pin_fp32()
 
 
 def is_batch_invariant() -> bool:

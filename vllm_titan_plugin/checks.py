@@ -1,0 +1,38 @@
+"""What ``--model-impl titan`` refuses, and why, before it serves a request.
+
+Each check returns a message naming the setting and what to do, or None. The model class runs them at
+start-up (an error there stops the engine before it accepts traffic); the batch-invariance switch runs
+``batch_invariance_problem`` before it flips, and refuses with the same message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def kv_cache_dtype_problem(vllm_config: Any) -> str | None:
+    """Batch-invariant attention reads keys/values back from vLLM's cache: a cache in another dtype than
+    the activations (``--kv-cache-dtype fp8``) would round them differently from the trainer, silently."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    if cache_dtype in ("auto", model_dtype):
+        return None
+    return (f"batch-invariant mode needs the KV cache in the model dtype ({model_dtype}); --kv-cache-dtype is "
+            f"{cache_dtype!r}: serve with --kv-cache-dtype auto, or without TITAN_BATCH_INVARIANT")
+
+
+def batch_invariance_problem(vllm_config: Any) -> str | None:
+    return kv_cache_dtype_problem(vllm_config)
+
+
+def attention_head_size_problem(backend: Any, head_size: int) -> str | None:
+    """vLLM's attention backends accept a fixed set of head sizes but only say so inside the first
+    forward (which kills the engine then): ask the backend at start-up instead."""
+    supports = getattr(backend, "supports_head_size", None)
+    if supports is None or supports(head_size):
+        return None
+    sizes = backend.get_supported_head_sizes() if hasattr(backend, "get_supported_head_sizes") else "?"
+    name = backend.get_name() if hasattr(backend, "get_name") else type(backend).__name__
+    return (f"--model-impl titan: the attention head size {head_size} of this checkpoint is not supported by "
+            f"vLLM's {name} attention backend here (supported: {sizes}); pick another --attention-backend")
+

@@ -866,7 +866,7 @@ class RLTrainer(Trainer):
         (self.run_dir / FINAL_CHECKSUMS_FILE).write_text(json.dumps(out, indent=1))
 
     def _export_hf(self, out_dir: str) -> None:
-        from titan_rl_ext.tools.export import export_hf
+        from titan_rl_ext.models.hf_export import export_hf
 
         sd = _full_state_dict(self.model_parts[0])  # every rank gathers; rank 0 writes
         if self.rank == 0:

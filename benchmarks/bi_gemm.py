@@ -63,15 +63,13 @@ def projection_shapes(flavor: str, lm_head: bool) -> list[Shape]:
     cfg = qwen3_5_flavors()[flavor]
     g, D = cfg.gdn, cfg.dim
     q_out = cfg.n_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
-    named = [
-        ("gdn.in_proj_qkv", D, g.conv_dim),  # key_dim*2 + value_dim
-        ("gdn.in_proj_z", D, g.value_dim),
-        ("gdn.in_proj_a/b", D, g.n_v_heads),
+    kv = cfg.n_kv_heads * cfg.head_dim
+    named = [  # the model's merged projections (ops.MergedLinear): one GEMM each
+        ("gdn.in_proj(qkv+z+b+a)", D, g.conv_dim + g.value_dim + 2 * g.n_v_heads),
         ("gdn.out_proj", g.value_dim, D),
-        ("attn.wq(q+gate)", D, q_out),
-        ("attn.wk/wv", D, cfg.n_kv_heads * cfg.head_dim),
+        ("attn.wqkv(q+gate, k, v)", D, q_out + 2 * kv),
         ("attn.wo", cfg.n_heads * cfg.head_dim, D),
-        ("mlp.w1/w3", D, cfg.ffn_dim),
+        ("mlp.w13(gate+up)", D, 2 * cfg.ffn_dim),
         ("mlp.w2", cfg.ffn_dim, D),
     ]
     if lm_head:

@@ -38,14 +38,17 @@ DEV = "cuda"
 N_PROBES = 8
 ALL_ROWS = list(range(1, 2049))
 
-# Qwen3.5-9B projections as (K, N) of y = x @ W^T with W [N, K]; hidden 4096
+# Qwen3.5-9B projections as (K, N) of y = x @ W^T with W [N, K]; hidden 4096. The model merges the
+# projections of one input (ops.MergedLinear), so these are its GEMMs; k_proj/v_proj-sized and
+# in_proj_a/b-sized N stay as the narrow cases (a Qwen3.5 checkpoint without the merge would run them).
 GEMM_SHAPES = {
-    "in_proj_qkv": (4096, 8192),  # GDN 2*16*128 + 32*128; also q_proj (16 heads * 256 * 2: q + gate)
-    "in_proj_z/o_proj": (4096, 4096),  # GDN in_proj_z, GDN out_proj, attention o_proj
-    "k_proj/v_proj": (4096, 1024),
-    "in_proj_a/b": (4096, 32),
-    "ffn_gate/up": (4096, 12288),
-    "ffn_down": (12288, 4096),
+    "gdn.in_proj(qkv+z+b+a)": (4096, 12352),  # 2*16*128 + 32*128 + 32*128 + 2*32
+    "attn.wqkv(q+gate, k, v)": (4096, 10240),  # 16 heads * 256 * 2 + 2 * 4 * 256
+    "gdn.out_proj/attn.wo": (4096, 4096),
+    "narrow N=1024 (k/v)": (4096, 1024),
+    "narrow N=32 (a/b)": (4096, 32),
+    "mlp.w13(gate+up)": (4096, 24576),
+    "mlp.w2": (12288, 4096),
 }
 LM_HEAD = (4096, 248_320)
 LM_HEAD_ROWS = list(range(1, 257)) + list(range(257, 2049, 13)) + [2048]

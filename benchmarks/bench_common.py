@@ -213,21 +213,21 @@ def json_saver(out: str, results: dict[str, Any], t_start: float) -> Callable[[]
 
 
 def fla_chunk_bwd_guard(override: bool, overridden: str) -> str:
-    """fla-core 0.6.0 raises in ``fla.ops.common.chunk_o.chunk_bwd_dqkwg`` when
-    ``IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1`` (FLA #640). The check reads
-    module globals at call time, so setting ``TRITON_ABOVE_3_7_1`` on that module lets the Triton kernel
-    run. Returns a status line; ``overridden`` is the line for the case where the guard was overridden."""
-    try:
-        import fla.ops.common.chunk_o as co
-    except Exception as e:  # no fla: nothing to guard
-        return f"n/a (fla not importable: {type(e).__name__})"
-    active = bool(getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
-                  and not getattr(co, "TRITON_ABOVE_3_7_1", True))
-    if not active:
-        return "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
+    """fla-core 0.6.0 refuses its chunk backward on Hopper with Triton 3.4..3.7.0 (FLA #640); the project
+    overrides that guard itself (``kernels.gdn.allow_fla_chunk_backward``). ``override=False`` keeps it for
+    this process (``TITAN_FLA_CHUNK_BWD=0``). Returns a status line; ``overridden`` is the line printed when
+    the guard was overridden."""
+    import os
+
+    from titan_rl_ext.kernels.gdn import FLA_CHUNK_BWD_ENV, allow_fla_chunk_backward, fla_chunk_guard
+
+    _, status = fla_chunk_guard()
+    if status != "active":
+        return status
     if not override:
+        os.environ[FLA_CHUNK_BWD_ENV] = "0"
         return "ACTIVE: FLA chunk backward refuses to run (--no-guard-override)"
-    co.TRITON_ABOVE_3_7_1 = True
+    allow_fla_chunk_backward()
     return overridden
 
 

@@ -50,7 +50,7 @@ from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
 from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
 from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
-GUARD_OVERRIDDEN = "OVERRIDDEN for the non-BI baseline (FLA #640; gradient check in benchmarks/gdn_kernels.py)"
+GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
 
 # --------------------------------------------------------------------------------------------------
 # FLOP count, profiler

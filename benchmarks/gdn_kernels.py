@@ -10,23 +10,22 @@ state: the trainer's case). Variants, each timed in two interleaved rounds (medi
 forward (no grad)
   rec_fla      FLA fused recurrent              -- BI forward (trainer, prefill and decode)
   chunk_fla    FLA chunk                        -- non-BI forward
-  chunk_torch  torch chunked (WY) form          -- what BI's backward recomputes first
+  chunk_torch  torch chunked (WY) form          -- BI's backward recompute where FLA's is kept off
   rec_torch    torch token-by-token reference   -- only when FLA is absent (CPU smoke)
 backward only (graph built once, ``autograd.grad(..., retain_graph=True)`` timed)
-  bwd_bi       ``gated_delta_rule_bi``'s backward = torch chunked recompute + autograd -- what the BI trainer runs
+  bwd_bi       ``gated_delta_rule_bi``'s backward (FLA chunk recompute + backward on CUDA, the torch chunked form with
+               ``TITAN_FLA_CHUNK_BWD=0``) -- what the BI trainer runs
   bwd_fla      FLA chunk backward               -- what the non-BI trainer runs
 fwd + bwd pairs (one training step of the mixer)
-  pair_bi        ``gated_delta_rule_bi``: recurrent FLA fwd + torch chunked bwd  (BI trainer)
+  pair_bi        ``gated_delta_rule_bi``: recurrent FLA fwd + its backward above  (BI trainer)
   pair_chunk     FLA chunk fwd + FLA chunk bwd                                    (non-BI trainer)
-  pair_rec_flabwd  recurrent FLA fwd + FLA chunk bwd -- NOT in the repo: what BI's backward would cost
-                 if it used FLA's chunk backward instead of the torch form (``_RecurrentForwardChunkBackward``
-                 always uses ``chunk_gated_delta_rule_torch``)
+  pair_rec_flabwd  recurrent FLA fwd + FLA chunk bwd, without the recompute's autograd graph
 
 FLA issue #640: fla-core 0.6.0 refuses its gated chunk backward (``chunk_bwd_dqkwg``) on Hopper with
-Triton >= 3.4 and < 3.7.1 (wrong results reported upstream). The repo never calls FLA's backward: BI mode
-differentiates the torch chunked form, and the GPU tests run non-BI forward only. To time what the
-non-BI trainer would run, this script overrides the guard (``--no-guard-override`` to refuse) and checks
-the overridden gradients against the torch chunked form (fp32) at the benchmark shape.
+Triton >= 3.4 and < 3.7.1 (wrong results reported upstream). The project overrides that guard
+(``kernels.gdn.allow_fla_chunk_backward``; float64 gradient checks in ``tests/gpu/test_bi_kernels_cuda.py``);
+``--no-guard-override`` keeps it for this process. This script also checks the gradients against the torch
+chunked form (fp32) at the benchmark shape.
 """
 
 from __future__ import annotations
@@ -225,7 +224,7 @@ def main() -> int:
         "rec_fla": ("fwd", "FLA fused recurrent [BI fwd]", rec_fwd_flops),
         "rec_torch": ("fwd", "torch recurrent reference", rec_fwd_flops),
         "chunk_fla": ("fwd", "FLA chunk [non-BI fwd]", chunk_fwd_flops),
-        "chunk_torch": ("fwd", "torch chunked (BI bwd's recompute)", chunk_fwd_flops),
+        "chunk_torch": ("fwd", "torch chunked (BI bwd recompute without FLA)", chunk_fwd_flops),
         "bwd_bi": ("bwd", "BI bwd: torch chunked recompute+autograd [BI trainer]", 2 * chunk_fwd_flops),
         "bwd_fla": ("bwd", "FLA chunk bwd [non-BI trainer]", 2 * chunk_fwd_flops),
         "pair_bi": ("fwd+bwd", f"recurrent {be} fwd + torch chunked bwd [BI trainer]", 3 * chunk_fwd_flops),

@@ -143,3 +143,29 @@ def test_recurrent_forward_chunk_backward_function() -> None:
     grads_ref = torch.autograd.grad((o_ref * w_o).sum() + (s_ref * w_s).sum(), [t[n] for n in names])
     for n, a, b in zip(names, grads, grads_ref):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5, msg=lambda m: f"grad of {n}: {m}")
+
+
+def test_fla_chunk_guard_override_is_one_mechanism(monkeypatch) -> None:
+    """fla-core's #640 guard (a module flag read at call time): active on Hopper + Triton 3.4..3.7.0, the project
+    overrides it unless ``TITAN_FLA_CHUNK_BWD=0``; the benchmarks report and keep it through the same functions."""
+    import sys
+    import types
+
+    from titan_rl_ext.kernels import gdn
+
+    names = ["fla", "fla.ops", "fla.ops.common", "fla.ops.common.chunk_o"]
+    mods = [types.ModuleType(n) for n in names]
+    for parent, child, n in zip(mods, mods[1:], names[1:]):
+        setattr(parent, n.rsplit(".", 1)[1], child)
+    co = mods[-1]
+    co.IS_NVIDIA_HOPPER, co.TRITON_ABOVE_3_4_0, co.TRITON_ABOVE_3_7_1 = True, True, False
+    for n, m in zip(names, mods):
+        monkeypatch.setitem(sys.modules, n, m)
+    monkeypatch.setattr(gdn, "_guard_overridden", False)
+    assert gdn.fla_chunk_guard() == (co, "active")
+    monkeypatch.setenv(gdn.FLA_CHUNK_BWD_ENV, "0")
+    assert gdn.allow_fla_chunk_backward().startswith("kept") and co.TRITON_ABOVE_3_7_1 is False
+    monkeypatch.delenv(gdn.FLA_CHUNK_BWD_ENV)
+    assert gdn.allow_fla_chunk_backward().startswith("overridden") and co.TRITON_ABOVE_3_7_1 is True
+    assert gdn.fla_chunk_guard()[1].startswith("not active")
+    assert gdn.allow_fla_chunk_backward().startswith("overridden")  # stays reported as overridden

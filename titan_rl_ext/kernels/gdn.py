@@ -18,7 +18,7 @@ Two torch implementations:
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -230,21 +230,28 @@ def allow_fla_chunk_backward() -> str:
     project trains (Qwen3.5 heads, packed varlen, T up to 16K) on the GPU it runs on; ``TITAN_FLA_CHUNK_BWD=0``
     keeps the guard (then BI mode differentiates the torch chunked form, and non-BI training raises).
     The guard reads module globals at call time, so setting the flag on that module is enough."""
+    global _guard_overridden
     if os.environ.get(FLA_CHUNK_BWD_ENV, "1") == "0":
         return "kept (TITAN_FLA_CHUNK_BWD=0)"
-    try:
-        import fla.ops.common.chunk_o as co
-    except Exception as e:  # no fla: nothing to guard
-        return f"n/a (fla not importable: {type(e).__name__})"
-    global _guard_overridden
-    active = bool(getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
-                  and not getattr(co, "TRITON_ABOVE_3_7_1", True))
-    if active:
+    co, status = fla_chunk_guard()
+    if status == "active":
         co.TRITON_ABOVE_3_7_1 = True
         _guard_overridden = True
     if _guard_overridden:
         return "overridden (gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
-    return "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
+    return status
+
+
+def fla_chunk_guard() -> tuple[Any, str]:
+    """fla's ``chunk_o`` module (None without fla) and the state of its #640 guard: ``"active"`` (it would
+    refuse the chunk backward), or why it is not."""
+    try:
+        import fla.ops.common.chunk_o as co
+    except Exception as e:  # no fla: nothing to guard
+        return None, f"n/a (fla not importable: {type(e).__name__})"
+    active = bool(getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
+                  and not getattr(co, "TRITON_ABOVE_3_7_1", True))
+    return co, "active" if active else "not active here (not Hopper, or Triton outside 3.4..3.7.0)"
 
 
 def fla_chunk_backward_allowed() -> bool:

@@ -12,8 +12,9 @@ are widened to fp32 as before.
 row chunks of at most ``CHUNK_BYTES`` of fp32 logits, with the same ``log_softmax`` call vLLM's sampler
 makes on the generator's logits (row by row, so chunking does not change a row's bits). Its backward
 recomputes each chunk's logits, forms ``g * (onehot - softmax)`` and runs dgrad/wgrad as 16-bit GEMMs
-with fp32 accumulation (cuBLAS; gradients need not be batch invariant); ``benchmarks/bi_head.py``
-measures the gradient error against float64.
+with fp32 accumulation (cuBLAS; gradients need not be batch invariant);
+``tests/gpu/test_bi_kernels_cuda.py::test_fused_head_bits_and_gradient_error`` measures the gradient error
+against float64.
 """
 
 from __future__ import annotations

@@ -45,13 +45,13 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request  # module level: FastAPI resolves the string annotations
 
 from titan_rl_ext.wire.protocol import (
-    BI_ROUTE, MODES, SALT_PREFIX, TOKEN_ENV, TRANSPORTS, VERSION_FIELD, VERSION_HEADER, WEIGHTS_ROUTE,
+    BI_ROUTE, CHECKSUMS_ROUTE, MODES, SALT_PREFIX, TOKEN_ENV, TRANSPORTS, VERSION_FIELD, VERSION_HEADER, VERSION_ROUTE,
+    WEIGHTS_ROUTE,
 )
 from vllm_titan_plugin import checks, compat
 
 logger = logging.getLogger("vllm.titan_plugin")
 
-ROUTE = WEIGHTS_ROUTE
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # After the pause returns, outputs of the last engine step may still be on their way through the
 # API server's output handler; they carry the old weights and must be tagged with the old version.
@@ -92,7 +92,7 @@ def _attach(app: Any) -> Any:
     app.state.titan_swap = state
     app.include_router(_make_router(state))
     compat.add_asgi_middleware(app, WeightVersionMiddleware, state=state)
-    logger.info("titan weight swap enabled: POST %s (token from $%s)", ROUTE, TOKEN_ENV)
+    logger.info("titan weight swap enabled: POST %s (token from $%s)", WEIGHTS_ROUTE, TOKEN_ENV)
     return app
 
 
@@ -371,11 +371,11 @@ def _make_router(state: SwapState) -> Any:
 
     router = APIRouter()
 
-    @router.get(f"{ROUTE}/version", response_model=VersionResponse)
+    @router.get(VERSION_ROUTE, response_model=VersionResponse)
     async def weight_version() -> VersionResponse:
         return VersionResponse(version=state.version)
 
-    @router.get(f"{ROUTE}/checksums", response_model=ChecksumsResponse)
+    @router.get(CHECKSUMS_ROUTE, response_model=ChecksumsResponse)
     async def weight_checksums(request: Request) -> Any:
         if (err := state.auth_error(request.headers.get("authorization"))) is not None:
             return _error(*err)
@@ -408,7 +408,7 @@ def _make_router(state: SwapState) -> Any:
         logger.info("titan batch invariance %s", "on" if enabled else "off")
         return BatchInvariantResponse(batch_invariant=bool(all(now)))
 
-    @router.post(ROUTE, response_model=PushResponse)
+    @router.post(WEIGHTS_ROUTE, response_model=PushResponse)
     async def push_weights(request: Request) -> Any:
         if (err := state.auth_error(request.headers.get("authorization"))) is not None:
             return _error(*err)

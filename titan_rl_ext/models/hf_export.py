@@ -24,10 +24,10 @@ WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "*.bin", "pytor
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
-def _source_tensors(source: Path) -> dict[str, tuple[Path, torch.dtype]]:
+def _source_tensors(source: Path) -> dict[str, tuple[Path, str]]:
     from safetensors import safe_open
 
-    out: dict[str, tuple[Path, torch.dtype]] = {}
+    out: dict[str, tuple[Path, str]] = {}  # key -> (file, safetensors dtype name)
     for f in sorted(source.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():
@@ -61,10 +61,13 @@ def export_hf(titan_sd: Mapping[str, torch.Tensor], source: str | Path, out: str
     if adapter.config.tie_embeddings and "lm_head.weight" in src:  # a tied checkpoint that stores the head too
         emb = next(k for k in hf_sd if k.endswith("embed_tokens.weight"))
         hf_sd["lm_head.weight"] = hf_sd[emb]
-    kept = [k for k in keys if k.startswith(adapter.skipped_prefixes)]  # not trained: copied as they are
-    for k in kept:
-        with safe_open(str(src[k][0]), framework="pt") as st:
-            hf_sd[k] = st.get_tensor(k)
+    kept: dict[Path, list[str]] = {}  # not trained: copied as they are, each source file opened once
+    for k in keys:
+        if k.startswith(adapter.skipped_prefixes):
+            kept.setdefault(src[k][0], []).append(k)
+    for f, names in kept.items():
+        with safe_open(str(f), framework="pt") as st:
+            hf_sd.update({k: st.get_tensor(k) for k in names})
     if set(hf_sd) != set(keys):
         raise CheckpointMismatchError(
             f"exported keys differ from {source}: missing {sorted(set(keys) - set(hf_sd))[:10]}, "

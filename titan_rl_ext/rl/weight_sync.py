@@ -19,7 +19,7 @@ import torch
 
 # the protocol's names and bytes live in titan_rl_ext.wire (the serving plugin imports them too); re-exported
 # here for the trainer's callers
-from titan_rl_ext.wire.protocol import BI_ROUTE, MODES, TRANSPORTS, WEIGHTS_ROUTE
+from titan_rl_ext.wire.protocol import BI_ROUTE, CHECKSUMS_ROUTE, MODES, TRANSPORTS, WEIGHTS_ROUTE
 from titan_rl_ext.wire.weights import checksum, serialize, tensor_checksum
 
 __all__ = ["BI_ROUTE", "TRANSPORTS", "WEIGHTS_ROUTE", "WeightPushError", "WeightPusher", "checksum", "serialize",
@@ -101,7 +101,7 @@ class WeightPusher:
         """The live model's per-parameter checksums on one server (the first by default)."""
         import requests
 
-        r = requests.get(f"{url or self.urls[0]}{WEIGHTS_ROUTE}/checksums", headers=self._headers, timeout=self.timeout_s)
+        r = requests.get(f"{url or self.urls[0]}{CHECKSUMS_ROUTE}", headers=self._headers, timeout=self.timeout_s)
         r.raise_for_status()
         return r.json()["checksums"]
 

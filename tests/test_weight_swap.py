@@ -1,4 +1,4 @@
-"""Weight push + in-place swap (``vllm_titan_plugin.swap_endpoint``, ``titan_rl_ext.rl.weight_sync``).
+"""Weight push + in-place swap (``vllm_titan_plugin.swap``, ``titan_rl_ext.rl.weight_sync``).
 
 One real OpenAI API server (``python -m vllm.entrypoints.openai.api_server --model-impl titan``, tiny
 Qwen3.5, fp32, prefix caching on) serves the whole module with ``TITAN_SWAP_TOKEN`` set; the tests
@@ -370,9 +370,11 @@ def test_chat_completion_carries_version(server: Server) -> None:
 
 
 def test_sse_annotation_splices_a_valid_field() -> None:
-    """The version goes into every JSON ``data:`` line of an SSE event without re-serialising it; other
-    lines (``[DONE]``, comments, event names) are untouched."""
-    from vllm_titan_plugin.swap_endpoint import VERSION_FIELD, _annotate_event
+    """The fallback tag (a vLLM without engine-carried versions): the version goes into every JSON ``data:``
+    line of an SSE event without re-serialising it; other lines (``[DONE]``, comments, event names) are
+    untouched."""
+    from titan_rl_ext.wire.protocol import VERSION_FIELD
+    from vllm_titan_plugin.swap.tagging import annotate_event as _annotate_event
 
     cases = {
         b'data: {"id":"c","choices":[{"text":"}{","index":0}]}': {"id": "c", "choices": [{"text": "}{", "index": 0}]},

@@ -142,7 +142,7 @@ def gdn_state_copy_funcs() -> tuple[Callable[..., Any], ...]:
     return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
 
 
-# -- weight push / in-place swap (vllm_titan_plugin.swap_endpoint) ---------------------------------------
+# -- weight push / in-place swap (vllm_titan_plugin.swap) ------------------------------------------------
 # vLLM 0.32: ``python -m vllm.entrypoints.openai.api_server`` runs ``launchers/api_server/entry.py:main``,
 # whose ``build_and_serve`` calls the module-level name ``build_app`` (bound by ``from ..app import
 # build_app``) and then ``init_app_state``, which stores the engine client in ``app.state.engine_client``.
@@ -155,8 +155,8 @@ API_SERVER_ENTRY_MODULES = (
 )
 
 
-def wrap_api_server_build_app(hook: Callable[[Any], Any], mark: str) -> bool:
-    """Make the API server's ``build_app`` pass its app through ``hook``. Only modules that are already
+def wrap_api_server_build_app(hook: Callable[[Any, Any], Any], mark: str) -> bool:
+    """Make the API server's ``build_app`` pass its app (and its CLI namespace, ``args``) through ``hook``. Only modules that are already
     imported are patched, so engine-core and worker processes never import the HTTP stack. Idempotent
     (``mark`` tags the wrapper); returns whether some module was patched now or before."""
     import functools
@@ -174,7 +174,7 @@ def wrap_api_server_build_app(hook: Callable[[Any], Any], mark: str) -> bool:
 
         @functools.wraps(orig)
         def build_app(*args: Any, _orig: Callable[..., Any] = orig, **kwargs: Any) -> Any:
-            return hook(_orig(*args, **kwargs))
+            return hook(_orig(*args, **kwargs), args[0] if args else kwargs.get("args"))
 
         setattr(build_app, mark, True)
         mod.build_app = build_app  # type: ignore[attr-defined]
@@ -232,3 +232,78 @@ def add_asgi_middleware(app: Any, middleware_cls: type, **options: Any) -> None:
         return
     app.user_middleware.insert(0, Middleware(middleware_cls, **options))
     app.middleware_stack = app.build_middleware_stack()
+
+
+# -- weight versions carried by the engine (vllm_titan_plugin.swap.engine / .tagging) --------------------
+# vLLM 0.32 stamps every ``EngineCoreOutputs`` with the engine core's ``_weight_version`` (core.py:647)
+# and the API server's ``RequestState`` keeps ``weight_version_starts``: (version, first output-token
+# index) per span (output_processor.py:484). vLLM 0.26 has neither: there the tags fall back to the
+# version current when a chunk leaves the API server, after a short flush pause.
+def engine_core_class() -> type:
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
+
+
+def engine_carries_weight_version() -> bool:
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.engine.output_processor import RequestState
+
+    return "weight_version" in getattr(EngineCoreOutputs, "__struct_fields__", ()) and hasattr(
+        RequestState, "track_weight_version")
+
+
+def set_engine_weight_version(engine_core: Any, version: str) -> None:
+    """Inside the engine core (between steps): the version its outputs carry from the next step on."""
+    setter = getattr(engine_core, "set_weight_version", None)
+    if setter is not None:
+        setter(version)
+
+
+async def call_engine_utility(engine_client: Any, method: str, *args: Any) -> Any:
+    """Run ``EngineCore.<method>(*args)`` in the engine-core process, between steps (core_client.py:1259)."""
+    return await engine_client.engine_core.call_utility_async(method, *args)
+
+
+def unscheduled_requests(engine_core: Any) -> list[Any]:
+    """Requests the scheduler holds that have no computed token yet: new ones waiting for a slot, and
+    preempted ones that will recompute (scheduler.requests: every unfinished request)."""
+    from vllm.v1.request import RequestStatus
+
+    pending = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    return [r for r in engine_core.scheduler.requests.values() if r.status in pending and not r.num_computed_tokens]
+
+
+def rehash_request_blocks(request: Any) -> None:
+    """Recompute a request's prefix-cache block hashes from scratch (request.py:285: the hasher appends
+    from ``len(block_hashes)`` on, chaining on the last one)."""
+    request.block_hashes = []
+    request.update_block_hashes()
+
+
+def wrap_output_processor_add_request(on_add: Callable[[Any, Any, int], None], mark: str) -> None:
+    """After vLLM's API server registers a request's output state (output_processor.py:616, called in the
+    task serving the HTTP request), call ``on_add(request_state, parent_req, request_index)``."""
+    import functools
+
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    orig = OutputProcessor.add_request
+    if getattr(orig, mark, False):
+        return
+
+    @functools.wraps(orig)
+    def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None, request_index: int = 0,
+                    queue: Any = None) -> None:
+        orig(self, request, prompt, parent_req, request_index, queue)
+        state = self.request_states.get(request.request_id)
+        if state is not None:
+            on_add(state, parent_req, request_index)
+
+    setattr(add_request, mark, True)
+    OutputProcessor.add_request = add_request  # type: ignore[method-assign]
+
+
+def weight_version_spans(request_state: Any) -> tuple[list[tuple[str, int]], int]:
+    """(version, first output-token index) of each span the engine reported, and the output tokens so far."""
+    return list(request_state.weight_version_starts), request_state.detokenizer.num_output_tokens()

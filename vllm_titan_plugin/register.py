@@ -84,11 +84,11 @@ def _route_resolve(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def register() -> None:
     """Idempotent: patches vLLM's registry class once per process."""
-    from vllm_titan_plugin import swap_endpoint
+    from vllm_titan_plugin import swap
     from vllm_titan_plugin.compat import ModelRegistryClass as R
 
     # Weight push routes (API server) and worker methods; off unless TITAN_SWAP_TOKEN is set. Idempotent.
-    swap_endpoint.install()
+    swap.install()
 
     if getattr(R.resolve_model_cls, _MARK, False):
         return

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from titan_rl_ext.wire.protocol import VERSION_FIELD
+from titan_rl_ext.wire.protocol import SPANS_FIELD, VERSION_FIELD
 from titan_rl_ext.wire.protocol import VERSION_ROUTE as VERSION_PATH
 
 __all__ = [
@@ -214,11 +214,29 @@ def _token_id(token: str) -> int:
     return int(token[len("token_id:"):])
 
 
+def versions_from_spans(spans: Sequence[Sequence[int]], num_tokens: int) -> list[int | None]:
+    """Per-token versions from ``[[version, start, end], ...]``; the spans must tile ``0..num_tokens``."""
+    out: list[int | None] = []
+    for span in spans:
+        if len(span) != 3:
+            raise GenerationError(f"weight span {span!r} is not [version, start, end]")
+        v, start, end = (int(x) for x in span)
+        if start != len(out) or end < start:
+            raise GenerationError(f"weight spans {list(spans)} do not tile the {num_tokens} generated tokens")
+        out += [v] * (end - start)
+    if len(out) != num_tokens:
+        raise GenerationError(f"weight spans {list(spans)} cover {len(out)} of {num_tokens} generated tokens")
+    return out
+
+
 class StreamAccumulator:
     """Folds completion chunks into one ``Generation`` per choice index.
 
-    A chunk's tokens get the chunk's ``titan_weight_version`` (``default_version`` when absent), so a
-    swap between two chunks splits a sequence into two versions exactly where the server switched.
+    A chunk's tokens get the chunk's ``titan_weight_version`` (``default_version`` when absent). When a
+    choice finishes with ``titan_weight_spans`` (the versions the engine core stamped on its outputs), those
+    replace the chunk tags token by token: a chunk can carry tokens of two versions when a swap lands
+    between engine steps that the API server sends together. Spans that do not cover the choice's tokens
+    exactly are an error, not a guess.
     """
 
     def __init__(self, default_version: int | None = None) -> None:
@@ -244,6 +262,8 @@ class StreamAccumulator:
             if choice.get("finish_reason") is not None:
                 gen.finish_reason = choice["finish_reason"]
                 gen.stop_reason = choice.get("stop_reason")
+                if (spans := choice.get(SPANS_FIELD)) is not None:
+                    gen.versions = versions_from_spans(spans, len(gen.token_ids))
 
     @staticmethod
     def _tokens(choice: Mapping[str, Any]) -> tuple[list[int], list[float]]:

@@ -19,7 +19,9 @@ import torch
 
 # the protocol's names and bytes live in titan_rl_ext.wire (the serving plugin imports them too); re-exported
 # here for the trainer's callers
-from titan_rl_ext.wire.protocol import BI_ROUTE, CHECKSUMS_ROUTE, MODES, TRANSPORTS, WEIGHTS_ROUTE
+from titan_rl_ext.wire.protocol import (
+    BI_ROUTE, CHECKSUMS_ROUTE, MODES, PUSH_PORT_FIELD, TRANSPORTS, VERSION_ROUTE, WEIGHTS_ROUTE,
+)
 from titan_rl_ext.wire.weights import checksum, serialize, tensor_checksum
 
 __all__ = ["BI_ROUTE", "TRANSPORTS", "WEIGHTS_ROUTE", "WeightPushError", "WeightPusher", "checksum", "serialize",
@@ -51,6 +53,7 @@ class WeightPusher:
         self.transport = transport
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
         self.timeout_s = timeout_s
+        self._push_urls: dict[str, str] = {}  # server URL -> where its weights listener answers
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """Serialise once, POST to every server concurrently; returns each server's JSON answer
@@ -105,12 +108,44 @@ class WeightPusher:
         r.raise_for_status()
         return r.json()["checksums"]
 
+    def push_url(self, url: str) -> str:
+        """Where to send ``url``'s pushes: its weights listener (``push_port`` of its version route), so a
+        push does not queue behind the OpenAI routes; the server URL itself when it runs none."""
+        import urllib.parse
+
+        import requests
+
+        if url not in self._push_urls:
+            port = None
+            try:
+                r = requests.get(f"{url}{VERSION_ROUTE}", timeout=min(self.timeout_s, 30.0))
+                if r.status_code == 200:
+                    port = r.json().get(PUSH_PORT_FIELD)
+            except (requests.RequestException, ValueError):
+                return url  # unreachable now: asked again next time
+            if port:
+                parts = urllib.parse.urlsplit(url)
+                host = parts.hostname or "localhost"
+                host = f"[{host}]" if ":" in host else host
+                self._push_urls[url] = urllib.parse.urlunsplit((parts.scheme, f"{host}:{int(port)}", "", "", ""))
+            else:
+                self._push_urls[url] = url
+        return self._push_urls[url]
+
     def _post(self, url: str, payload: bytes, params: dict[str, str]) -> dict[str, Any]:
         import requests
 
+        target = self.push_url(url)
         try:
-            r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=payload, headers=self._headers,
-                              timeout=self.timeout_s)
+            try:
+                r = requests.post(f"{target}{WEIGHTS_ROUTE}", params=params, data=payload, headers=self._headers,
+                                  timeout=self.timeout_s)
+            except requests.ConnectionError:
+                if target == url:
+                    raise
+                self._push_urls.pop(url, None)  # the listener is gone (restart?): the server's own port serves too
+                r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=payload, headers=self._headers,
+                                  timeout=self.timeout_s)
         except requests.RequestException as e:
             return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
         if r.status_code == 200:

@@ -15,6 +15,12 @@ MODES = ("keep", "recompute")
 """What a swap does to requests in flight: continue on their KV/GDN state, or recompute it with the new weights."""
 VERSION_HEADER = "x-titan-weight-version"
 VERSION_FIELD = "titan_weight_version"
-"""Key the server splices into each streamed JSON chunk: the weight version that chunk was produced with."""
+"""Key the server puts into each streamed JSON chunk: the weight version that produced the chunk's last token."""
+SPANS_FIELD = "titan_weight_spans"
+"""Key of each finished choice: ``[[version, start, end], ...]`` over its output-token indexes, as the engine
+core stamped its outputs. Authoritative where present; a chunk's ``VERSION_FIELD`` is the fallback."""
+PUSH_PORT_FIELD = "push_port"
+"""Field of the version route's answer: the port of the server's own weights listener (absent or null when
+it runs none); pushers send there so a busy OpenAI event loop cannot delay a push."""
 SALT_PREFIX = "titan-v"
 """Prefix-cache salt of a request is ``titan-v<version>``: no cache hits across weight versions."""

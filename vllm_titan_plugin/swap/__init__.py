@@ -1,0 +1,67 @@
+"""Weight push + in-place swap for vLLM servers running ``--model-impl titan`` (issues 5, 7, 16).
+
+On only when ``TITAN_SWAP_TOKEN`` is set. The concerns, one file each:
+
+- ``routes``: the HTTP routes (push, version, checksums, BI switch) and the swap itself;
+- ``listener``: those routes on their own port and thread, so a busy OpenAI loop cannot delay a push;
+- ``validate``: what a payload must satisfy before any weight changes;
+- ``worker``: the methods the workers gain (copy in place, checksums, BI switch);
+- ``engine``: the engine core's weight version (stamped on its outputs) and the re-salt of waiting requests;
+- ``tagging``: the OpenAI middleware (cache salt in, per-token versions out).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from titan_rl_ext.wire.protocol import TOKEN_ENV, WEIGHTS_ROUTE
+from vllm_titan_plugin import compat
+
+logger = logging.getLogger("vllm.titan_plugin")
+
+_MARK = "__titan_swap__"
+
+
+def install() -> None:
+    """Called by the plugin entry point in every vLLM process; a no-op unless ``TITAN_SWAP_TOKEN`` is set.
+    Workers get the swap methods, the engine core its version utility, the API-server process the routes,
+    the listener and the middleware."""
+    if not os.environ.get(TOKEN_ENV):
+        return
+    from vllm_titan_plugin.swap import engine, worker
+
+    compat.install_worker_methods(worker.METHODS)
+    engine.install()
+    compat.wrap_api_server_build_app(_attach, _MARK)
+
+
+def _attach(app: Any, args: Any = None) -> Any:
+    from vllm_titan_plugin.swap import listener, tagging
+    from vllm_titan_plugin.swap.routes import SwapState, make_router
+
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:  # unset between plugin load and app build: stay off
+        return app
+    port = listener.wanted_port()  # a bad TITAN_SWAP_PORT stops start-up here, naming it
+    engine_tags = tagging.install()
+    state = SwapState(token, app, engine_tags)
+    try:
+        state.note_loop()  # build_app runs inside the API server's loop
+    except RuntimeError:
+        pass  # no loop yet: the first request on the OpenAI app records it
+    app.state.titan_swap = state
+    app.include_router(make_router(state))
+    compat.add_asgi_middleware(app, tagging.WeightVersionMiddleware, state=state)
+    if port is not None:
+        state.push_port = listener.start(state, getattr(args, "host", None), port)
+    if not engine_tags:
+        logger.warning("titan weight versions: this vLLM does not stamp engine outputs with a weight version; "
+                       "chunks are tagged with the version current when they leave the API server")
+    logger.info("titan weight swap enabled: POST %s on the OpenAI port%s (token from $%s)", WEIGHTS_ROUTE,
+                f" and on port {state.push_port}" if state.push_port else "", TOKEN_ENV)
+    return app
+
+
+__all__ = ["install"]

@@ -1,0 +1,85 @@
+"""Engine-core side of a swap: the weight version every step's outputs carry, and the prefix-cache salt a
+request has when it is first scheduled.
+
+Both live in the engine-core process, set by one utility call (``titan_set_weight_version``) made while
+generation is paused, after the workers copied the new weights. Two consequences:
+
+- Outputs are stamped with the version when the engine core builds them (vLLM's own
+  ``EngineCoreOutputs.weight_version``, where the release has it), so a token's tag cannot depend on how
+  late the API server gets to send it.
+- A request salted ``titan-v<N>`` by the API server at arrival, but still waiting in the engine (or
+  in transit to it) when version ``N+1`` lands, is re-salted ``titan-v<N+1>`` before it is first
+  scheduled: it cannot reuse prefix blocks that other weights computed. A salt the client chose is left
+  alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from titan_rl_ext.wire.protocol import SALT_PREFIX
+from vllm_titan_plugin import compat
+
+logger = logging.getLogger("vllm.titan_plugin")
+
+_MARK = "__titan_salt__"
+UTILITY = "titan_set_weight_version"
+
+
+class EngineVersion:
+    """The engine core's weight version (one per engine-core process)."""
+
+    version = 0
+
+    @classmethod
+    def salt(cls) -> str:
+        return f"{SALT_PREFIX}{cls.version}"
+
+
+def is_titan_salt(salt: str | None) -> bool:
+    return bool(salt) and salt.startswith(SALT_PREFIX) and salt[len(SALT_PREFIX):].lstrip("-").isdigit()
+
+
+def resalt(request: Any) -> bool:
+    """Give a not-yet-computed request the current version's salt; True if it changed. Its block hashes are
+    recomputed from the first block, since the salt enters the first block's hash and every later one
+    chains on it."""
+    salt = EngineVersion.salt()
+    if not is_titan_salt(request.cache_salt) or request.cache_salt == salt or request.num_computed_tokens:
+        return False
+    request.cache_salt = salt
+    compat.rehash_request_blocks(request)
+    return True
+
+
+def set_weight_version(engine_core: Any, version: int) -> int:
+    """The utility method (installed on vLLM's ``EngineCore``): runs between engine steps, paused. Returns
+    how many waiting requests were re-salted."""
+    EngineVersion.version = int(version)
+    compat.set_engine_weight_version(engine_core, str(int(version)))
+    n = sum(resalt(r) for r in compat.unscheduled_requests(engine_core))
+    if n:
+        logger.info("titan weights v%d: re-salted %d waiting request(s)", version, n)
+    return n
+
+
+def install() -> None:
+    """In every process (only the engine core's copy ever runs): the utility, and the re-salt of each request
+    as the scheduler receives it (a request can pass the API server before a swap and reach the engine
+    after it)."""
+    cls = compat.engine_core_class()
+    if getattr(cls, UTILITY, None) is not set_weight_version:
+        setattr(cls, UTILITY, set_weight_version)
+    orig = cls.add_request
+    if getattr(orig, _MARK, False):
+        return
+
+    @functools.wraps(orig)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        resalt(request)
+        return orig(self, request, *args, **kwargs)
+
+    setattr(add_request, _MARK, True)
+    cls.add_request = add_request

@@ -1,0 +1,353 @@
+"""HTTP routes of the weight push (served by the OpenAI app and by the weights listener).
+
+- ``POST /titan/v1/weights?version=N[&mode=keep|recompute]``, ``Authorization: Bearer <token>``, body =
+  the bytes of a safetensors file with the full titan state dict under titan names. 401 no token,
+  403 wrong token, 400 bad query or unparseable payload, 409 ``version`` not above the current one,
+  413 payload over ``2 * model bytes + 1 MiB`` (refused from ``Content-Length`` before reading, or as
+  soon as the stream passes the bound), 422 wrong/missing/extra names, shapes, dtypes or NaN/Inf,
+  naming the tensors. Everything is validated before any weight changes. Then: pause the engine
+  (``keep``: in-flight requests keep their KV/GDN state; ``recompute``: they are preempted and
+  recompute), copy the tensors into the parameters in place in the workers, set the engine core's
+  version (outputs carry it from the next step on; waiting requests get its salt), resume.
+- ``POST /titan/v1/weights?version=N&transport=cuda_ipc`` (same host, GPU): the body is a JSON manifest of
+  CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``). Names, dtypes and shapes are checked from the
+  manifest (422), then, paused, each worker opens the handles, checks every tensor is finite (422,
+  nothing copied) and copies device to device.
+- ``GET /titan/v1/weights/version`` -> ``{"version": N, "push_port": P}`` (``P``: the weights listener).
+- ``GET /titan/v1/weights/checksums`` (token required) -> per-parameter sha256 of the live weights.
+- ``POST /titan/v1/batch_invariant?enabled=0|1`` (token required): the BI switch.
+
+Reading and validating a payload happen on whichever event loop serves the route (the listener's own,
+see ``swap.listener``); everything that talks to the engine runs on the API server's loop, where vLLM's
+engine client lives (``SwapState.on_engine_loop``). The payload reaches the workers as a file path
+(``/dev/shm`` when available), never as pickled tensors. The token is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request  # module level: FastAPI resolves the string annotations
+
+from titan_rl_ext.wire.protocol import (
+    BI_ROUTE, CHECKSUMS_ROUTE, MODES, TRANSPORTS, VERSION_ROUTE, WEIGHTS_ROUTE,
+)
+from vllm_titan_plugin import checks, compat
+from vllm_titan_plugin.swap import engine as engine_side
+from vllm_titan_plugin.swap.validate import PushRejected, check_spec, manifest_spec, max_bytes, validate_payload
+
+logger = logging.getLogger("vllm.titan_plugin")
+
+# Only where the engine does not stamp its outputs (vLLM 0.26): after the pause returns, outputs of the
+# last engine step may still be on their way through the API server; they must leave as the old version.
+FLUSH_SECONDS = 0.05
+MAX_MANIFEST_BYTES = 64 << 20
+_SHM = "/dev/shm"
+T = TypeVar("T")
+
+
+class PushResponse(BaseModel):
+    version: int
+    num_tensors: int
+    bytes: int
+    swap_seconds: float
+    validate_seconds: float
+
+
+class BatchInvariantResponse(BaseModel):
+    batch_invariant: bool
+
+
+class VersionResponse(BaseModel):
+    version: int
+    push_port: int | None = None
+
+
+class ChecksumsResponse(BaseModel):
+    version: int
+    checksums: dict[str, str]
+
+
+class SwapState:
+    """Per-server state: the weight version, the push lock (held on the engine's loop), the served spec."""
+
+    def __init__(self, token: str, app: Any, engine_tags: bool) -> None:
+        self._token = token.encode()
+        self.app = app  # the OpenAI app: vLLM stores its engine client there once it is built
+        self.engine_tags = engine_tags  # the engine core stamps its outputs with the version
+        self.version = 0
+        self.push_port: int | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the API server's (the engine client's)
+        self.listener_loop: asyncio.AbstractEventLoop | None = None
+        self._lock: asyncio.Lock | None = None
+        self._spec: dict[str, list[Any]] | None = None
+
+    def __repr__(self) -> str:  # never show the token
+        return f"SwapState(version={self.version})"
+
+    def note_loop(self) -> None:
+        """Called on the API server's loop (app start, each generation request): where the engine lives."""
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+
+    @property
+    def engine(self) -> Any:
+        return compat.engine_client_of(self.app)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:  # created on the engine's loop, the only one that takes it
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def on_engine_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the API server's loop and wait for it from this one."""
+        here = asyncio.get_running_loop()
+        if self.loop is None and here is not self.listener_loop:
+            self.loop = here
+        if self.loop is here:
+            return await coro
+        if self.loop is None:
+            coro.close()
+            raise PushRejected(503, "the API server has not started serving yet; retry")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def auth_error(self, authorization: str | None) -> tuple[int, str] | None:
+        if not authorization:
+            return 401, "missing Authorization: Bearer token"
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return 401, "Authorization must be 'Bearer <token>'"
+        if not hmac.compare_digest(given.strip().encode(), self._token):
+            return 403, "invalid token"
+        return None
+
+    async def spec(self) -> dict[str, list[Any]]:
+        """The served parameters' names, dtypes and shapes (asked once; the model does not change shape)."""
+        if self._spec is None:
+            self._spec = await self.on_engine_loop(self._ask_spec())
+        return self._spec
+
+    async def _ask_spec(self) -> dict[str, list[Any]]:
+        return (await compat.worker_rpc(self.engine, "titan_weight_spec"))[0]
+
+
+def _error(status: int, message: str, tensors: list[str] | None = None) -> Any:
+    from fastapi.responses import JSONResponse
+
+    body: dict[str, Any] = {"detail": message}
+    if tensors:
+        body["tensors"] = tensors
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _payload_dir() -> str | None:
+    # Shared memory keeps the handoff to the workers off the disk; fall back to the default temp dir.
+    return _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
+
+
+async def _receive_to_file(request: Request, limit: int) -> tuple[str, int]:
+    """Stream the body into a temp file, refusing (413) as soon as it passes ``limit`` bytes."""
+    fd, path = tempfile.mkstemp(prefix="titan-weights-", suffix=".safetensors", dir=_payload_dir())
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PushRejected(413, f"payload exceeds {limit} bytes (2x the model's size + 1 MiB)")
+                out.write(chunk)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path, size
+
+
+def _stale(version: int, current: int) -> Any:
+    return _error(409, f"version {version} is not greater than the current version {current}")
+
+
+def make_router(state: SwapState) -> Any:
+    from fastapi import APIRouter
+
+    router = APIRouter()
+
+    @router.get(VERSION_ROUTE, response_model=VersionResponse)
+    async def weight_version() -> VersionResponse:
+        return VersionResponse(version=state.version, push_port=state.push_port)
+
+    @router.get(CHECKSUMS_ROUTE, response_model=ChecksumsResponse)
+    async def weight_checksums(request: Request) -> Any:
+        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+            return _error(*err)
+
+        async def read() -> ChecksumsResponse:
+            async with state.lock:  # not in the middle of a swap
+                sums = (await compat.worker_rpc(state.engine, "titan_weight_checksums"))[0]
+                return ChecksumsResponse(version=state.version, checksums=sums)
+
+        try:
+            return await state.on_engine_loop(read())
+        except PushRejected as e:
+            return _error(e.status, e.message)
+
+    @router.post(BI_ROUTE, response_model=BatchInvariantResponse)
+    async def set_batch_invariant(request: Request) -> Any:
+        """BI as a debug switch, flipped together with the trainer. The engine is paused with its caches
+        cleared: BI attention keeps keys/values in its own paged layout, which the backend's kernels must
+        not read (and vice versa), so in-flight requests are recomputed under the new setting."""
+        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+            return _error(*err)
+        raw = request.query_params.get("enabled")
+        if raw not in ("0", "1", "true", "false"):
+            return _error(400, "query parameter 'enabled' must be 0/1/true/false")
+        enabled = raw in ("1", "true")
+        config = getattr(state.engine, "vllm_config", None)
+        if enabled and config is not None and (problem := checks.batch_invariance_problem(config)) is not None:
+            return _error(409, problem)  # refused before anything is paused: the engine keeps serving as it was
+
+        async def flip() -> list[Any]:
+            async with state.lock:
+                await compat.pause_generation(state.engine, keep_cache=False)
+                try:
+                    return await compat.worker_rpc(state.engine, "titan_set_batch_invariant", enabled)
+                finally:
+                    await compat.resume_generation(state.engine)
+
+        try:
+            now = await state.on_engine_loop(flip())
+        except PushRejected as e:
+            return _error(e.status, e.message)
+        logger.info("titan batch invariance %s", "on" if enabled else "off")
+        return BatchInvariantResponse(batch_invariant=bool(all(now)))
+
+    @router.post(WEIGHTS_ROUTE, response_model=PushResponse)
+    async def push_weights(request: Request) -> Any:
+        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+            return _error(*err)
+        q = request.query_params
+        raw = q.get("version", "")
+        # plain ASCII decimal below 2**63: int() would also take "1_0", " 13 ", other scripts' digits,
+        # and a huge version would block every later push (and overflow the trainer's int64 versions)
+        if not re.fullmatch(r"-?[0-9]{1,19}", raw) or int(raw) >= 2**63:
+            return _error(400, "query parameter 'version' must be a decimal integer below 2**63")
+        version = int(raw)
+        mode = q.get("mode", "keep")
+        if mode not in MODES:
+            return _error(400, f"mode must be one of {MODES}, got {mode!r}")
+        transport = q.get("transport", "safetensors")
+        if transport not in TRANSPORTS:
+            return _error(400, f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        allowed = ("", "application/octet-stream") + (("application/json",) if transport == "cuda_ipc" else ())
+        if ctype not in allowed:
+            return _error(415, f"Content-Type must be application/octet-stream (a safetensors file), got {ctype!r}")
+        if version <= state.version:
+            return _stale(version, state.version)
+        try:
+            spec = await state.spec()
+        except PushRejected as e:
+            return _error(e.status, e.message)
+        if transport == "cuda_ipc":
+            return await _push_cuda_ipc(state, request, spec, version, mode)
+        limit = max_bytes(spec)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return _error(413, f"payload of {declared} bytes exceeds {limit} bytes (2x the model's size + 1 MiB)")
+        path = None
+        try:
+            path, size = await _receive_to_file(request, limit)
+            if version <= state.version:  # a concurrent push got there first (checked again under the lock)
+                return _stale(version, state.version)
+            t0 = time.perf_counter()
+            num = await asyncio.to_thread(validate_payload, path, spec)
+            validate_s = time.perf_counter() - t0
+            swap_s = await state.on_engine_loop(
+                _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep")))
+        except PushRejected as e:
+            logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
+            return _error(e.status, e.message, e.tensors)
+        except ClientDisconnect:  # the pusher died or gave up mid-upload: nothing was swapped
+            logger.warning("titan weight push v%d rejected: the client disconnected before the whole payload", version)
+            return _error(400, "client disconnected before the whole payload arrived")
+        except Exception as e:  # the workers re-check before copying, so the weights are still the old ones
+            logger.exception("titan weight push v%d failed", version)
+            return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
+        finally:
+            if path is not None and os.path.exists(path):
+                os.unlink(path)
+        logger.info("titan weights v%d swapped in %.3f s (validated in %.3f s, %d tensors, %d bytes, mode=%s)",
+                    version, swap_s, validate_s, num, size, mode)
+        return PushResponse(version=version, num_tensors=num, bytes=size, swap_seconds=swap_s,
+                            validate_seconds=validate_s)
+
+    return router
+
+
+async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool) -> float:
+    async with state.lock:
+        if version <= state.version:
+            raise PushRejected(409, f"version {version} is not greater than the current version {state.version}")
+        return await _swap(state, method, arg, version, keep_cache)
+
+
+async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool) -> float:
+    """Pause, run the worker loader ``method(arg)`` in every worker, set the engine core's version, resume;
+    returns the seconds paused. A worker answering ``{"problems": ...}`` copied nothing: the version stays
+    and the push is rejected (``PushRejected``)."""
+    engine = state.engine
+    t0 = time.perf_counter()
+    await compat.pause_generation(engine, keep_cache=keep_cache)
+    try:
+        if not state.engine_tags:
+            await asyncio.sleep(FLUSH_SECONDS)  # let chunks produced by the old weights leave as the old version
+        results = await compat.worker_rpc(engine, method, arg)
+        bad = [r for r in results if isinstance(r, dict) and r.get("problems")]
+        if bad:
+            raise PushRejected(int(bad[0].get("status", 422)), "; ".join(bad[0]["problems"]), bad[0].get("tensors"))
+        # paused: the next step's outputs are the first of the new weights, and carry its number
+        await compat.call_engine_utility(engine, engine_side.UTILITY, version)
+        state.version = version
+    finally:
+        await compat.resume_generation(engine)
+    return time.perf_counter() - t0
+
+
+async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, list[Any]], version: int,
+                         mode: str) -> Any:
+    """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_MANIFEST_BYTES:
+            return _error(413, f"CUDA IPC manifest exceeds {MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = json.loads(body)
+        if not isinstance(manifest, dict):
+            raise ValueError("the manifest must be a JSON object")
+        got = manifest_spec(manifest)
+    except ValueError as e:
+        return _error(400, f"invalid CUDA IPC manifest: {e}")
+    try:
+        check_spec(spec, got)
+        swap_s = await state.on_engine_loop(
+            _locked_swap(state, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep")))
+    except PushRejected as e:
+        logger.warning("titan weight push v%d (cuda_ipc) rejected (%d): %s", version, e.status, e.message[:500])
+        return _error(e.status, e.message, e.tensors)
+    except Exception as e:  # the workers check everything before the first copy
+        logger.exception("titan weight push v%d (cuda_ipc) failed", version)
+        return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
+    logger.info("titan weights v%d swapped in %.3f s over CUDA IPC (%d tensors, mode=%s)", version, swap_s, len(got), mode)
+    return PushResponse(version=version, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s, validate_seconds=0.0)

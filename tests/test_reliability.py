@@ -49,6 +49,7 @@ pytestmark = pytest.mark.slow
 TOKEN = "titan-reliability-token-9d41e7"  # checked to never appear in the server log
 ROUTE = "/titan/v1/weights"
 VERSION_FIELD = "titan_weight_version"
+SPANS_FIELD = "titan_weight_spans"
 MAX_MODEL_LEN = 512
 STAGING_PREFIX = "titan-weights-"  # tempfile prefix of the server's push staging files
 
@@ -542,12 +543,23 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
     failed = [(i, st.status, st.error) for i, st in enumerate(streams) if st.status != 200 or st.error or not st.done]
     assert not failed, failed[:5]
     gens = []
+    chunk_tags = chunk_tag_errors = 0
     for st in streams:
         assert all(VERSION_FIELD in c for c in st.chunks), [c for c in st.chunks if VERSION_FIELD not in c][:2]
+        final = [ch for c in st.chunks for ch in c.get("choices") or () if ch.get("finish_reason") is not None]
+        # the engine core's stamps, not the API server's clock: the versions come as spans with the last chunk
+        assert len(final) == 1 and isinstance(final[0].get(SPANS_FIELD), list), final
         acc = StreamAccumulator()
         for c in st.chunks:
-            acc.feed(c)  # raises on an in-stream error event
+            acc.feed(c)  # raises on an in-stream error event, and on spans that do not tile the tokens
         g = acc.result()
+        n = 0  # each chunk's tag is its last token's version, as the spans give it
+        for c in st.chunks:
+            k = sum(len(ch.get("token_ids") or ()) for ch in c.get("choices") or ())
+            n += k
+            if k:
+                chunk_tags += 1
+                chunk_tag_errors += c[VERSION_FIELD] != g.versions[n - 1]
         assert len(g.token_ids) == st.max_tokens and g.finish_reason == "length", (len(g.token_ids), g.finish_reason)
         assert all(a <= b for a, b in zip(g.versions, g.versions[1:])), g.versions
         assert set(g.versions) <= set(weights), set(g.versions)
@@ -610,13 +622,15 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
           f"{[round(r['swap_seconds'] * 1e3) for r in swap_results]} ms; exact replay of {len(spot)} requests: "
           f"{checked}/{n_spot} tokens checked ({after_swap} after a swap inside their request, {on_mixed_kv} on KV "
           f"of several versions after a 'keep' swap), "
-          f"{len(mismatches)} mismatches, {distinguishable}/{compared} differ under the final version; "
-          f"trainer check {check_s:.1f} s")
+          f"{len(mismatches)} mismatches (tokens whose tag is not the version that produced them), "
+          f"{distinguishable}/{compared} differ under the final version; chunk tags {chunk_tags}, "
+          f"{chunk_tag_errors} disagree with the spans; trainer check {check_s:.1f} s")
     assert checked == n_spot
     assert all(straddled[v] for v in range(v0 + 1, final + 1)), straddled  # every swap checked across
     assert on_mixed_kv > 0  # "keep" swaps really continued on the old weights' KV, token for token
     assert compared and distinguishable > 0.9 * compared  # a mistagged token would show
     assert not mismatches, mismatches[:5]
+    assert chunk_tags and not chunk_tag_errors
 
 
 # -- 3a. bad requests to the OpenAI routes -----------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from titan_rl_ext.wire.protocol import SPANS_FIELD, VERSION_FIELD
+from titan_rl_ext.wire.protocol import BOOT_HEADER, SPANS_FIELD, VERSION_FIELD
 from titan_rl_ext.wire.protocol import VERSION_ROUTE as VERSION_PATH
 
 __all__ = [
@@ -110,6 +110,10 @@ class Generation:
     """None where the chunk had no ``titan_weight_version`` (filled in by the client)."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    server: str | None = None
+    """The generator that produced it (``GeneratorClient.base_url``)."""
+    boot_id: str | None = None
+    """That server process's ``x-titan-boot-id``: a restart between push and sample shows as another id."""
 
 
 @dataclass(kw_only=True)
@@ -393,12 +397,14 @@ class GeneratorClient:
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
                 raise GenerationError(f"HTTP {r.status_code} from /v1/completions: {body[:2000]}")
+            boot_id = r.headers.get(BOOT_HEADER)
             async for line in r.aiter_lines():
                 if acc.feed_line(line):
                     break
         if acc.saw_version_annotation:
             self._annotates = True
         gen = acc.result(0)
+        gen.server, gen.boot_id = self.base_url, boot_id
         if any(v is None for v in gen.versions):
             # annotations assumed but missing this time (server restarted without the endpoint)
             self._annotates = None

@@ -328,12 +328,13 @@ class RolloutService:
     Prompts come from a ``PromptLedger`` started at ``cursor``; a group's ``group_id`` is its prompt's
     index. The ledger is only touched on the loop thread (producers, takes, the window's drop hook)."""
 
-    def __init__(self, rl: RLConfig, urls: list[str], model_name: str, tokenizer: Any, initial_version: int,
+    def __init__(self, rl: RLConfig, fleet: Any, model_name: str, tokenizer: Any, initial_version: int,
                  cursor: PromptCursor) -> None:
         from titan_rl_ext.rl.rollout import SamplingConfig, SingleTurnEnv
 
         self.rl = rl
-        self.urls = urls
+        self.fleet = fleet  # rl.fleet.GeneratorFleet: who may produce samples
+        self.urls = list(fleet.members)
         self.model_name = model_name
         extra = {"ignore_eos": True} if rl.ignore_eos else {}
         self.sampling = SamplingConfig(temperature=rl.temperature, top_p=rl.top_p, max_tokens=rl.max_tokens, extra=extra)
@@ -355,13 +356,15 @@ class RolloutService:
         # a stale group's prompt is done for good: the uninterrupted run would not retry it either
         self.window = OffPolicyWindow(self.rl.offpolicy, self.rl.prompts_per_step, initial_version=self.initial_version,
                                       on_drop=lambda g: self.ledger.close(g.key))
-        self.clients = [GeneratorClient(u, self.model_name) for u in self.urls]
+        from titan_rl_ext.rl.fleet import FleetClient
+
+        self.client = FleetClient(self.fleet, {u: GeneratorClient(u, self.model_name) for u in self.urls})
         self.producers = [asyncio.ensure_future(self._produce(i)) for i in range(max(1, self.rl.num_producers))]
 
     async def _produce(self, i: int) -> None:
         from titan_rl_ext.rl.rollout import rollout_group, sample_seed
 
-        client = self.clients[i % len(self.clients)]
+        client = self.client
         G = self.rl.group_size
         while True:
             ticket = await self.window.reserve()
@@ -419,7 +422,7 @@ class RolloutService:
 
         async def run() -> list[float]:
             groups = await asyncio.gather(*(
-                rollout_group(self.clients[i % len(self.clients)], self.make_env, item, 1, greedy, group_id=-1, max_turns=1)
+                rollout_group(self.client, self.make_env, item, 1, greedy, group_id=-1, max_turns=1)
                 for i, item in enumerate(items)
             ))
             return [g[0].reward for g in groups]
@@ -431,7 +434,8 @@ class RolloutService:
         async def get() -> dict[str, float]:
             w = self.window
             return {"rollout/dropped_stale_total": w.dropped_stale_total, "rollout/buffered": w.buffered,
-                    "rollout/in_flight": w.in_flight, "rollout/producer_wait_s_total": w.producer_wait_s}
+                    "rollout/in_flight": w.in_flight, "rollout/producer_wait_s_total": w.producer_wait_s,
+                    "fleet/refused_samples_total": float(self.fleet.refused)}
 
         return self._call(get())
 
@@ -440,7 +444,7 @@ class RolloutService:
             for p in self.producers:
                 p.cancel()
             await asyncio.gather(*self.producers, return_exceptions=True)
-            for c in self.clients:
+            for c in self.client.clients.values():
                 await c.aclose()
 
         try:
@@ -535,6 +539,7 @@ class RLTrainer(Trainer):
             return
         from transformers import AutoTokenizer
 
+        from titan_rl_ext.rl.fleet import GeneratorFleet
         from titan_rl_ext.rl.metrics import MetricsLogger
         from titan_rl_ext.rl.weight_sync import WeightPusher
 
@@ -553,17 +558,25 @@ class RLTrainer(Trainer):
         if not token:
             raise ValueError(f"set {rl.swap_token_env} to the generators' swap token")
         self._pusher = WeightPusher(urls, token, transport=rl.weight_transport)
+        self._fleet = GeneratorFleet(self._pusher)
+        self._last_push: FleetPush | None = None
         self._sync_generator_bi(self._bi_at(self.step))  # before the first rollouts
         self._mlog = MetricsLogger(self.run_dir, config={"rl": _asdict(rl)})
         # a resumed run: the generators still serve the checkpoint the run started from
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        server_v = max(self._server_version(u) for u in urls)
-        if self.rl_version > 0 or server_v > self.rl_version:
+        served = {u: self._server_version(u) for u in urls}
+        server_v = max(v for v, _ in served.values())
+        if self.rl_version == 0 and server_v == 0:  # a fresh run: the generators serve the checkpoint it starts from
+            for u, (_, boot) in served.items():
+                self._fleet.verify(u, 0, boot)
+        else:
             from titan_rl_ext.rl.weight_sync import checksum
 
             ours = checksum(_full_state_dict(self.model_parts[0]))
             if server_v == self.rl_version and all(self._pusher.checksums(u) == ours for u in urls):
                 logger.info("RL: generators already serve version %d", server_v)
+                for u, (_, boot) in served.items():
+                    self._fleet.verify(u, server_v, boot)
             else:
                 if server_v >= self.rl_version:
                     logger.warning("RL: generator at version %d >= trainer's %d with other weights; continuing from %d",
@@ -576,19 +589,21 @@ class RLTrainer(Trainer):
         if self.prompt_cursor != PromptCursor():
             logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
                         len(self.prompt_cursor.done_ahead))
-        self._service = RolloutService(rl, urls, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
+        self._service = RolloutService(rl, self._fleet, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
                                        self.prompt_cursor)
         self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
 
     @staticmethod
-    def _server_version(url: str) -> int:
+    def _server_version(url: str) -> tuple[int, str | None]:
+        """(weight version, boot id) of a generator."""
         import requests
 
         r = requests.get(f"{url.rstrip('/')}{VERSION_ROUTE}", timeout=30)
         if r.status_code == 404:
             raise RuntimeError(f"{url} has no weight-swap endpoint: start it with TITAN_SWAP_TOKEN set")
         r.raise_for_status()
-        return int(r.json()["version"])
+        body = r.json()
+        return int(body["version"]), body.get("boot_id")
 
     def _bi_at(self, step: int) -> bool:
         rl = self.config.rl
@@ -605,7 +620,8 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         sd = _full_state_dict(self.model_parts[0])
         if self.rank == 0:
-            self._pusher.push(sd, version, mode=self.config.rl.push_mode)
+            # generators that fail it leave the rollout pool until a later push reaches them
+            self._last_push = self._fleet.push(sd, version, mode=self.config.rl.push_mode)
             self._remember(version, sd)
         return time.perf_counter() - t0
 
@@ -804,6 +820,7 @@ class RLTrainer(Trainer):
             "rollout/token_version_min": min(versions, default=-1),
             "rollout/token_version_max": max(versions, default=-1),
             "swap/latency_s": swap_s,
+            **(self._last_push.metrics() if self.rank == 0 and self._last_push is not None else {}),
             "perf/trainer/wait_s": t_taken - t_start,
             "perf/trainer/step_s": t_trained - t_taken,
             "perf/trainer/tokens_per_second_full_step": ntok / max(t_end - t_start, 1e-9),

@@ -44,7 +44,8 @@ class WeightPusher:
     ``"recompute"`` preempts them so they recompute with the new weights.
     """
 
-    def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0, transport: str = "safetensors") -> None:
+    def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0, transport: str = "safetensors",
+                 use_listener: bool = True) -> None:
         if not urls:
             raise ValueError("WeightPusher needs at least one server URL")
         if transport not in TRANSPORTS:
@@ -54,6 +55,7 @@ class WeightPusher:
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
         self.timeout_s = timeout_s
         self._push_urls: dict[str, str] = {}  # server URL -> where its weights listener answers
+        self.use_listener = use_listener  # False: push through the OpenAI port (what a listener-less server has)
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """Serialise once, POST to every server concurrently; returns each server's JSON answer
@@ -76,12 +78,28 @@ class WeightPusher:
             raise ValueError(f"push_payload sends safetensors bytes; this pusher uses transport={self.transport!r}")
         return self._push(payload, version, mode, {})
 
-    def _push(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
+    def push_each(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
+        """``push`` without raising: one ``{"url", "ok", "status", "response" | "error"}`` per server, in
+        ``urls`` order (what a fleet needs to decide who stays in the rollout pool)."""
+        if self.transport == "cuda_ipc":
+            from titan_rl_ext.wire.cuda_ipc import export_tensors
+
+            manifest, keep_alive = export_tensors(state_dict)
+            try:
+                return self._post_all(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"})
+            finally:
+                del keep_alive
+        return self._post_all(serialize(state_dict), version, mode, {})
+
+    def _post_all(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
         if mode not in MODES:
             raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
         params = {"version": str(int(version)), "mode": mode, **extra}
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            results = list(pool.map(lambda u: self._post(u, payload, params), self.urls))
+            return list(pool.map(lambda u: self._post(u, payload, params), self.urls))
+
+    def _push(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
+        results = self._post_all(payload, version, mode, extra)
         failed = [r for r in results if not r["ok"]]
         if failed:
             lines = "; ".join(f"{r['url']}: HTTP {r['status']} {r['error']}" for r in failed)
@@ -115,6 +133,8 @@ class WeightPusher:
 
         import requests
 
+        if not self.use_listener:
+            return url
         if url not in self._push_urls:
             port = None
             try:

@@ -24,3 +24,7 @@ PUSH_PORT_FIELD = "push_port"
 it runs none); pushers send there so a busy OpenAI event loop cannot delay a push."""
 SALT_PREFIX = "titan-v"
 """Prefix-cache salt of a request is ``titan-v<version>``: no cache hits across weight versions."""
+BOOT_HEADER = "x-titan-boot-id"
+"""Response header (and field of the version and push answers): a random id drawn when the server started.
+A generator that restarted has a new one, so a fleet can tell "the server I pushed v to" from "a fresh
+process on the same address that never got v"."""

@@ -13,7 +13,8 @@
   CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``). Names, dtypes and shapes are checked from the
   manifest (422), then, paused, each worker opens the handles, checks every tensor is finite (422,
   nothing copied) and copies device to device.
-- ``GET /titan/v1/weights/version`` -> ``{"version": N, "push_port": P}`` (``P``: the weights listener).
+- ``GET /titan/v1/weights/version`` -> ``{"version": N, "boot_id": B, "push_port": P}`` (``B``: drawn at
+  start-up, ``P``: the weights listener).
 - ``GET /titan/v1/weights/checksums`` (token required) -> per-parameter sha256 of the live weights.
 - ``POST /titan/v1/batch_invariant?enabled=0|1`` (token required): the BI switch.
 
@@ -33,6 +34,7 @@ import os
 import re
 import tempfile
 import time
+import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -58,6 +60,7 @@ T = TypeVar("T")
 
 class PushResponse(BaseModel):
     version: int
+    boot_id: str
     num_tensors: int
     bytes: int
     swap_seconds: float
@@ -70,6 +73,7 @@ class BatchInvariantResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: int
+    boot_id: str
     push_port: int | None = None
 
 
@@ -86,6 +90,7 @@ class SwapState:
         self.app = app  # the OpenAI app: vLLM stores its engine client there once it is built
         self.engine_tags = engine_tags  # the engine core stamps its outputs with the version
         self.version = 0
+        self.boot_id = uuid.uuid4().hex  # a restarted server is a different generator, even on the same port
         self.push_port: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the API server's (the engine client's)
         self.listener_loop: asyncio.AbstractEventLoop | None = None
@@ -185,7 +190,7 @@ def make_router(state: SwapState) -> Any:
 
     @router.get(VERSION_ROUTE, response_model=VersionResponse)
     async def weight_version() -> VersionResponse:
-        return VersionResponse(version=state.version, push_port=state.push_port)
+        return VersionResponse(version=state.version, boot_id=state.boot_id, push_port=state.push_port)
 
     @router.get(CHECKSUMS_ROUTE, response_model=ChecksumsResponse)
     async def weight_checksums(request: Request) -> Any:
@@ -289,7 +294,7 @@ def make_router(state: SwapState) -> Any:
                 os.unlink(path)
         logger.info("titan weights v%d swapped in %.3f s (validated in %.3f s, %d tensors, %d bytes, mode=%s)",
                     version, swap_s, validate_s, num, size, mode)
-        return PushResponse(version=version, num_tensors=num, bytes=size, swap_seconds=swap_s,
+        return PushResponse(version=version, boot_id=state.boot_id, num_tensors=num, bytes=size, swap_seconds=swap_s,
                             validate_seconds=validate_s)
 
     return router
@@ -350,4 +355,4 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
         logger.exception("titan weight push v%d (cuda_ipc) failed", version)
         return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
     logger.info("titan weights v%d swapped in %.3f s over CUDA IPC (%d tensors, mode=%s)", version, swap_s, len(got), mode)
-    return PushResponse(version=version, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s, validate_seconds=0.0)
+    return PushResponse(version=version, boot_id=state.boot_id, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s, validate_seconds=0.0)

@@ -5,7 +5,8 @@ A middleware on ``/v1/completions`` and ``/v1/chat/completions``:
 
 - injects ``cache_salt="titan-v<N>"`` unless the client set one (the engine core re-salts it if the
   weights change before it is scheduled: ``swap.engine``);
-- adds the ``x-titan-weight-version`` response header (the version when the response starts);
+- adds the ``x-titan-weight-version`` response header (the version when the response starts) and
+  ``x-titan-boot-id`` (which server process answered: ``routes.SwapState.boot_id``);
 - tags every streamed JSON chunk with ``"titan_weight_version"``: the version whose weights produced the
   chunk's last token, read from the spans the engine core reported for that request;
 - gives the final chunk of each choice (and each choice of a non-streamed response)
@@ -26,7 +27,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from titan_rl_ext.wire.protocol import SALT_PREFIX, SPANS_FIELD, VERSION_FIELD, VERSION_HEADER
+from titan_rl_ext.wire.protocol import BOOT_HEADER, SALT_PREFIX, SPANS_FIELD, VERSION_FIELD, VERSION_HEADER
 from vllm_titan_plugin import compat
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -192,6 +193,7 @@ class _Annotator:
             self.json = (self.cell is not None and ctype.startswith(b"application/json")
                          and msg.get("status", 200) == 200)
             headers.append((VERSION_HEADER.encode(), str(self.state.version).encode()))
+            headers.append((BOOT_HEADER.encode(), self.state.boot_id.encode()))
             msg = {**msg, "headers": headers}
             if self.json:  # content-length changes with the spans: hold the start until the body is whole
                 self.start = msg

@@ -1,0 +1,188 @@
+"""Several generators as one rollout pool that never mixes weights silently (issue 16, item 3).
+
+A push to the fleet is one operation with one outcome (``FleetPush``): every generator that answered
+"swapped" serves the new version; every other one is **out of the pool** until a later push to it
+succeeds. Samples are admitted only from a generator in the pool, only from the server process that
+acknowledged the pushes (``x-titan-boot-id``: a restarted server on the same address is a new process
+that has not been given the trainer's weights), and only with token versions that process was pushed.
+
+- ``GeneratorFleet``: the members and their confirmed versions (thread-safe: the trainer pushes from its
+  thread, the rollout loop picks and admits from its own).
+- ``FleetClient``: the ``Generator`` the rollout producers use: a live member per request, retried on
+  another member when one fails or its sample is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from titan_rl_ext.rl.rollout import Generation, GenerationError, SamplingConfig
+from titan_rl_ext.rl.weight_sync import WeightPusher, WeightPushError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    url: str
+    live: bool = False
+    boot_id: str | None = None  # the server process that confirmed ``versions``
+    versions: set[int] = field(default_factory=set)  # versions pushed to (or verified on) that process
+    reason: str = "not pushed yet"  # why it is out of the pool
+
+
+@dataclass
+class FleetPush:
+    """What one push did: who serves ``version`` now, and who is out (and why)."""
+
+    version: int
+    live: list[str]
+    out: dict[str, str]
+    seconds: float
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {"fleet/live": float(len(self.live)), "fleet/out": float(len(self.out))}
+
+
+class GeneratorFleet:
+    def __init__(self, pusher: WeightPusher) -> None:
+        self.pusher = pusher
+        self.members = {u: Member(u) for u in pusher.urls}
+        self.pending: int | None = None  # the version being pushed: tokens of it may arrive before the answers
+        self.refused = 0  # samples refused since the start
+        self._lock = threading.Lock()
+
+    # -- trainer side --------------------------------------------------------------------------------
+    def verify(self, url: str, version: int, boot_id: str) -> None:
+        """Admit ``url`` as serving ``version`` without a push (the trainer checked it holds the same
+        weights, e.g. by checksums at start-up)."""
+        with self._lock:
+            m = self.members[url]
+            if m.boot_id != boot_id:
+                m.versions = set()
+            m.live, m.boot_id, m.reason = True, boot_id, ""
+            m.versions.add(int(version))
+
+    def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> FleetPush:
+        """Push to every member (those out of the pool too: this is how they come back). Raises
+        ``WeightPushError`` only when no generator serves the new version."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self.pending = int(version)
+        try:
+            results = self.pusher.push_each(state_dict, version, mode)
+        finally:
+            with self._lock:
+                self.pending = None
+        return self._record(version, results, time.perf_counter() - t0)
+
+    def _record(self, version: int, results: Sequence[dict[str, Any]], seconds: float) -> FleetPush:
+        live, out, responses = [], {}, {}
+        with self._lock:
+            for r in results:
+                m = self.members[r["url"]]
+                if r["ok"]:
+                    boot = r["response"].get("boot_id")
+                    if boot != m.boot_id:  # a new process: what the old one was given does not carry over
+                        m.versions = set()
+                    m.live, m.boot_id, m.reason = True, boot, ""
+                    m.versions.add(int(version))
+                    live.append(m.url)
+                    responses[m.url] = r["response"]
+                else:
+                    m.live = False
+                    m.reason = f"push v{version}: HTTP {r['status']} {str(r['error'])[:300]}"
+                    out[m.url] = m.reason
+        outcome = FleetPush(int(version), live, out, seconds, responses)
+        if out:
+            logger.warning("weight push v%d: %d/%d generators out of the rollout pool: %s", version, len(out),
+                           len(results), "; ".join(f"{u}: {why}" for u, why in out.items()))
+        if not live:
+            raise WeightPushError(f"weight push v{version}: no generator serves it: "
+                                  + "; ".join(f"{u}: {why}" for u, why in out.items()), list(results))
+        return outcome
+
+    # -- rollout side --------------------------------------------------------------------------------
+    def live(self) -> list[str]:
+        with self._lock:
+            return [m.url for m in self.members.values() if m.live]
+
+    def mark_out(self, url: str, reason: str) -> None:
+        with self._lock:
+            m = self.members[url]
+            if m.live:
+                logger.warning("generator %s out of the rollout pool: %s", url, reason)
+            m.live, m.reason = False, reason
+
+    def admit(self, gen: Generation) -> str | None:
+        """None if the sample may be trained on, else why not (and its server leaves the pool when the
+        reason is the server's, not the sample's)."""
+        with self._lock:
+            m = self.members.get(gen.server or "")
+            if m is None:
+                return f"sample from {gen.server!r}, which is not in the fleet"
+            if not m.live:
+                return f"{m.url} is out of the rollout pool ({m.reason})"
+            if gen.boot_id != m.boot_id:
+                m.live, m.reason = False, f"restarted (boot id {gen.boot_id} is not the one that was pushed to)"
+                self.refused += 1
+                return m.reason
+            allowed = m.versions | ({self.pending} if self.pending is not None else set())
+            unknown = sorted({v for v in gen.versions if v not in allowed})
+            if unknown:
+                m.live, m.reason = False, f"served versions {unknown}, never pushed to it"
+                self.refused += 1
+                return m.reason
+            return None
+
+
+class FleetClient:
+    """A ``Generator`` over a fleet: each request goes to the next live member; a failed request or a
+    refused sample is retried on another member (``max_attempts`` in all)."""
+
+    def __init__(self, fleet: GeneratorFleet, clients: Mapping[str, Any], max_attempts: int = 8,
+                 wait_s: float = 600.0) -> None:
+        self.fleet, self.clients = fleet, dict(clients)
+        self.max_attempts, self.wait_s = max_attempts, wait_s
+        self._turn = itertools.count()
+
+    async def _pick(self) -> str:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            live = self.fleet.live()
+            if live:
+                return live[next(self._turn) % len(live)]
+            if time.monotonic() > deadline:
+                raise GenerationError(f"no generator in the rollout pool for {self.wait_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> Generation:
+        import httpx
+
+        why = []
+        for _ in range(self.max_attempts):
+            url = await self._pick()
+            try:
+                gen = await self.clients[url].generate(prompt_ids, sampling)
+            except (httpx.TransportError, GenerationError) as e:
+                self.fleet.mark_out(url, f"request failed: {type(e).__name__}: {e}")
+                why.append(f"{url}: {type(e).__name__}")
+                continue
+            refused = self.fleet.admit(gen)
+            if refused is None:
+                return gen
+            why.append(f"{url}: {refused}")
+        raise GenerationError(f"no admissible sample after {self.max_attempts} attempts: {'; '.join(why)}")
+
+    async def generate_group(self, prompt_ids: Sequence[int], sampling: SamplingConfig, n: int) -> list[Generation]:
+        return list(await asyncio.gather(*(self.generate(prompt_ids, sampling) for _ in range(n))))

@@ -44,8 +44,8 @@ class GeneratorServer:
     """Starts on construction; ``wait_ready()`` before use (a boot takes ~25 s on CPU); ``close()`` stops it."""
 
     def __init__(self, model_dir: str | Path, log_path: Path, extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
-        self.port = free_port()
+                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+        self.port = free_port() if port is None else port  # a given port: e.g. a restart at the same address
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)

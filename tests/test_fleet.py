@@ -1,0 +1,364 @@
+"""A fleet of real generators that never half-updates, and salts taken when a request is scheduled (issue 16).
+
+Three vLLM OpenAI servers (``--model-impl titan``, tiny Qwen3.5, fp32, BI, prefix caching), each behind a
+small fault-injecting HTTP proxy of this module, form one ``GeneratorFleet``. Faults, one per push:
+
+| fault                          | expected outcome                                                  |
+|--------------------------------|-------------------------------------------------------------------|
+| a server answers the push 503  | out of the pool; the others serve v; no sample from it            |
+| a server answers slowly (3 s)  | in the pool at v once it answered                                 |
+| a server killed mid-push       | out of the pool; its address is restarted later                   |
+| a pooled server restarted      | its first sample is refused (new boot id), it leaves the pool     |
+| the next push                  | every server, restarted ones included, serves it and is back in   |
+
+Every admitted sample is replayed by the trainer's model at the versions its tokens are tagged with and
+must give the generator's logprobs bit for bit (BI): no sample trained on carries another version than
+its tag says. The last test checks the prefill-time salt: a request that reached the engine before a
+``keep`` swap but is scheduled after it must not reuse prefix blocks computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import http.server
+import json
+import os
+import signal
+import socketserver
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from servers import server_env
+from titan_rl_ext.rl.fleet import FleetClient, GeneratorFleet
+from titan_rl_ext.rl.generator_server import GeneratorServer
+from titan_rl_ext.rl.rollout import Generation, GeneratorClient, SamplingConfig
+from titan_rl_ext.rl.weight_sync import WeightPusher
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "titan-fleet-token-73be20"
+MAX_MODEL_LEN = 512
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
+               "--enable-prompt-tokens-details"]
+SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=12, extra={"ignore_eos": True})
+HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "upgrade", "te"}
+
+
+# -- a fault-injecting proxy ----------------------------------------------------------------------------
+@dataclass
+class Proxy:
+    """Forwards everything to ``upstream``; ``fault`` acts on weight pushes only: ``"503"`` answers
+    without forwarding, ``"slow"`` waits ``delay_s`` first, ``"kill"`` kills the server (its whole process
+    group) once the body has arrived and then drops the connection, as a dead server would. The version
+    route's ``push_port`` is removed, so pushes come through here."""
+
+    upstream_port: int
+    fault: str | None = None
+    delay_s: float = 3.0
+    on_kill: Any = None
+    pushes: list[float] = field(default_factory=list)  # seconds each push took through the proxy
+    port: int = 0
+
+    def start(self) -> Proxy:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                n = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(n) if n else b""
+                is_push = self.command == "POST" and self.path.startswith("/titan/v1/weights?")
+                t0 = time.perf_counter()
+                if is_push and proxy.fault == "503":
+                    return self._reply(503, b'{"detail": "injected: service unavailable"}', "application/json")
+                if is_push and proxy.fault == "slow":
+                    time.sleep(proxy.delay_s)
+                if is_push and proxy.fault == "kill":
+                    proxy.on_kill()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=300)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                if self.path.startswith("/titan/v1/weights/version") and r.status == 200:
+                    doc = json.loads(data)
+                    doc.pop("push_port", None)
+                    data = json.dumps(doc).encode()
+                self._reply(r.status, data, r.getheader("content-type", ""),
+                            [(k, v) for k, v in r.getheaders() if k.lower() not in HOP | {"content-type"}])
+                conn.close()
+                if is_push:
+                    proxy.pushes.append(time.perf_counter() - t0)
+
+            def _reply(self, status: int, data: bytes, ctype: str, headers: list[tuple[str, str]] = ()) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                if ctype:
+                    self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _forward
+
+        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+            daemon_threads = True
+
+        srv = Server(("127.0.0.1", 0), Handler)
+        self.port = srv.server_address[1]
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+# -- three servers ----------------------------------------------------------------------------------------
+@dataclass
+class Fleet:
+    model_dir: Path
+    log_dir: Path
+    servers: list[GeneratorServer]
+    proxies: list[Proxy]
+    fleet: GeneratorFleet
+    reference: dict[str, torch.Tensor]
+    trainer: Any
+    weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def restart(self, i: int) -> None:
+        """Kill server ``i`` (if alive) and start a fresh one on the same port: the checkpoint's weights."""
+        _kill_group(self.servers[i])
+        srv = GeneratorServer(self.model_dir, self.log_dir / f"server{i}-restart.log", SERVER_ARGS, _env(),
+                              port=self.servers[i].port)
+        srv.wait_ready()
+        self.servers[i] = srv
+
+
+def _env() -> dict[str, str]:
+    return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1")
+
+
+def _kill_group(srv: GeneratorServer) -> None:
+    try:
+        os.killpg(srv.proc.pid, signal.SIGKILL)  # the API server and its engine core
+    except ProcessLookupError:
+        pass
+    srv.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def fl(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    import requests
+
+    from titan_rl_ext.models.hf import load_hf_model
+
+    model_dir = tiny_ckpt("qwen3_5", layout="vlm")
+    log_dir = tmp_path_factory.mktemp("fleet")
+    servers = [GeneratorServer(model_dir, log_dir / f"server{i}.log", SERVER_ARGS, _env()) for i in range(3)]
+    try:
+        model, _ = load_hf_model(model_dir, dtype=torch.float32)  # while the servers boot
+        model.eval()
+        ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for s in servers:
+            s.wait_ready()
+        proxies = [Proxy(s.port).start() for s in servers]
+        fleet = GeneratorFleet(WeightPusher([p.url for p in proxies], TOKEN, timeout_s=120))
+        for p in proxies:  # a fresh run: every server holds the checkpoint (version 0)
+            doc = requests.get(f"{p.url}/titan/v1/weights/version", timeout=30).json()
+            assert doc["version"] == 0 and "push_port" not in doc
+            fleet.verify(p.url, 0, doc["boot_id"])
+        f = Fleet(model_dir, log_dir, servers, proxies, fleet, ref, model, {0: ref})
+        proxies[0].on_kill = lambda: _kill_group(f.servers[0])
+        yield f
+    finally:
+        for s in servers:
+            _kill_group(s)
+
+
+def _scaled(ref: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    return {n: t * (1 + 0.01 * k) for n, t in ref.items()}
+
+
+def _push(f: Fleet, version: int) -> Any:
+    f.weights[version] = _scaled(f.reference, version)
+    return f.fleet.push(f.weights[version], version)
+
+
+def _prompt(i: int) -> list[int]:
+    g = torch.Generator().manual_seed(4000 + i)
+    return torch.randint(3, 512, (6 + i % 9,), generator=g).tolist()
+
+
+def _sample(f: Fleet, n: int, seed: int) -> list[tuple[list[int], Generation]]:
+    async def run() -> list[tuple[list[int], Generation]]:
+        clients = {p.url: GeneratorClient(p.url, str(f.model_dir)) for p in f.proxies}
+        client = FleetClient(f.fleet, clients, wait_s=60)
+        try:
+            prompts = [_prompt(seed + i) for i in range(n)]
+            gens = []
+            for p in prompts:  # one at a time: the round robin visits every live member in turn
+                gens.append(await client.generate(p, SAMPLING))
+            return list(zip(prompts, gens))
+        finally:
+            for c in clients.values():
+                await c.aclose()
+
+    return asyncio.run(run())
+
+
+ADMITTED: list[tuple[list[int], Generation]] = []
+
+
+def _admitted(f: Fleet, n: int, seed: int, live: set[str]) -> list[Generation]:
+    got = _sample(f, n, seed)
+    for _, g in got:
+        assert g.server in live, (g.server, live)
+        assert len(g.token_ids) == SAMPLING.max_tokens and len(g.versions) == len(g.token_ids)
+    ADMITTED.extend(got)
+    return [g for _, g in got]
+
+
+# -- the fault matrix ---------------------------------------------------------------------------------
+def test_fleet_push_outcomes_under_faults(fl: Fleet) -> None:
+    import requests
+
+    urls = [p.url for p in fl.proxies]
+    a, b, c = urls
+    matrix: list[tuple[str, str]] = []
+
+    out = _push(fl, 1)
+    assert sorted(out.live) == sorted(urls) and not out.out
+    assert {v for g in _admitted(fl, 6, 0, set(urls)) for v in g.versions} <= {0, 1}
+    matrix.append(("no fault", f"live {len(out.live)}/3"))
+
+    # 503 on b, slow answer from c: a and c serve v2, b is out and still serves v1, no sample from b
+    fl.proxies[1].fault, fl.proxies[2].fault = "503", "slow"
+    out = _push(fl, 2)
+    fl.proxies[1].fault = fl.proxies[2].fault = None
+    assert sorted(out.live) == [a, c] and list(out.out) == [b] and "503" in out.out[b], out
+    assert fl.proxies[2].pushes[-1] >= fl.proxies[2].delay_s and out.seconds >= fl.proxies[2].delay_s
+    assert requests.get(f"{b}/titan/v1/weights/version", timeout=30).json()["version"] == 1
+    assert out.metrics() == {"fleet/live": 2.0, "fleet/out": 1.0}
+    gens = _admitted(fl, 8, 100, {a, c})
+    assert {g.server for g in gens} == {a, c} and all(v == 2 for g in gens for v in g.versions)
+    matrix += [("503 from b", "b out, still on v1; a, c serve v2"), ("c slow (3 s)", "c serves v2")]
+
+    # a killed mid-push: out; b comes back with the push that reaches it
+    fl.proxies[0].fault = "kill"
+    out = _push(fl, 3)
+    fl.proxies[0].fault = None
+    assert sorted(out.live) == [b, c] and list(out.out) == [a], out
+    assert fl.servers[0].proc.poll() is not None  # really dead
+    gens = _admitted(fl, 6, 200, {b, c})
+    assert {g.server for g in gens} == {b, c} and all(v == 3 for g in gens for v in g.versions)
+    matrix += [("a killed mid-push", "a out; b back in at v3")]
+
+    # a restarts on its address (checkpoint weights, version 0): still out. c restarts while in the pool:
+    # its first sample carries a new boot id and is refused, c leaves the pool, the retry goes to b
+    fl.restart(0)
+    fl.restart(2)
+    refused0 = fl.fleet.refused
+    gens = _admitted(fl, 6, 300, {b})
+    assert fl.fleet.refused == refused0 + 1 and fl.fleet.live() == [b], (fl.fleet.refused, fl.fleet.live())
+    assert all(v == 3 for g in gens for v in g.versions)
+    for u in (a, c):
+        assert requests.get(f"{u}/titan/v1/weights/version", timeout=30).json()["version"] == 0
+    matrix += [("a restarted", "stays out"), ("c restarted while pooled", "first sample refused, c out")]
+
+    # the next push reaches everyone: the restarted servers learn the current version and are back
+    out = _push(fl, 4)
+    assert sorted(out.live) == sorted(urls) and not out.out
+    gens = _admitted(fl, 9, 400, set(urls))
+    assert {g.server for g in gens} == set(urls) and all(v == 4 for g in gens for v in g.versions)
+    matrix += [("next push", "all three serve v4")]
+    print("\nfleet fault matrix:\n" + "\n".join(f"  {k:28s} -> {v}" for k, v in matrix))
+
+
+def test_every_admitted_sample_has_the_weights_its_tags_say(fl: Fleet) -> None:
+    """Replay each admitted sample with the trainer's model at its tagged version (BI): bit-exact."""
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.rl.logprobs import token_logprobs
+
+    assert ADMITTED, "run with test_fleet_push_outcomes_under_faults"
+    checked = 0
+    with torch.no_grad(), batch_invariant():
+        for prompt, g in ADMITTED:
+            (v,) = set(g.versions)  # one push per round above, with no request in flight across it
+            fl.trainer.load_state_dict(fl.weights[v])
+            seq = prompt + g.token_ids
+            lp = token_logprobs(fl.trainer, torch.tensor(seq), SeqBatch.from_lengths([len(seq)]))
+            ours = lp[len(prompt):].tolist()
+            assert ours == g.logprobs, (g.server, v)
+            checked += len(ours)
+    print(f"\n{len(ADMITTED)} admitted samples, {checked} tokens replayed bit-exact at their tagged versions")
+
+
+# -- the prefill-time salt -------------------------------------------------------------------------------
+def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None:
+    """Warm the prefix cache with prompt P on one server, pause its scheduler (the dev route: the request
+    passes the API server, is salted with the current version and waits in the engine), push a new version
+    with ``keep``, and only then let the request run. It must not hit P's blocks from the old weights, and
+    its logprobs must be what the new weights give from scratch."""
+    import requests
+
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.rl.logprobs import token_logprobs
+
+    srv, url = fl.servers[1], fl.proxies[1].url
+    base = srv.base
+    version = requests.get(f"{base}/titan/v1/weights/version", timeout=30).json()["version"]
+    prompt = _prompt(9000) * 40  # several full prefix-cache blocks
+    prompt = prompt[:400]
+    body = {"model": str(fl.model_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True}
+
+    def complete() -> dict[str, Any]:
+        r = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    complete()
+    warm = complete()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the cache works for this prompt
+
+    r = requests.post(f"{base}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
+    assert r.status_code == 200, r.text
+    waiting: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: waiting.update(complete()))
+    t.start()
+    time.sleep(3.0)  # through the API server and into the engine's waiting queue (it cannot be scheduled)
+    assert not waiting, "the request ran while the scheduler was paused"
+    new = version + 1
+    fl.weights[new] = _scaled(fl.reference, new)
+    WeightPusher([url], TOKEN).push(fl.weights[new], new, mode="keep")  # resumes the scheduler when done
+    t.join(120)
+    assert waiting, "the waiting request never finished"
+    choice = waiting["choices"][0]
+    assert choice["titan_weight_spans"] == [[new, 0, 4]], choice.get("titan_weight_spans")
+    assert waiting["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, waiting["usage"]
+    with torch.no_grad(), batch_invariant():
+        fl.trainer.load_state_dict(fl.weights[new])
+        seq = prompt + choice["token_ids"]
+        lp = token_logprobs(fl.trainer, torch.tensor(seq), SeqBatch.from_lengths([len(seq)]))
+    assert lp[-4:].tolist() == choice["logprobs"]["token_logprobs"]
+    again = complete()  # and the new weights' blocks are cached under the new salt
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -1,0 +1,112 @@
+"""GeneratorFleet / FleetClient logic without servers (the real-server fault matrix is tests/test_fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from titan_rl_ext.rl.fleet import FleetClient, GeneratorFleet
+from titan_rl_ext.rl.rollout import Generation, GenerationError, SamplingConfig, versions_from_spans
+from titan_rl_ext.rl.weight_sync import WeightPushError
+
+
+class FakePusher:
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.answers: dict[str, dict[str, Any]] = {}
+
+    def push_each(self, state_dict: Any, version: int, mode: str = "keep") -> list[dict[str, Any]]:
+        return [self.answers.get(u, {"url": u, "ok": True, "status": 200, "response": {"version": version, "boot_id": f"boot-{u}"}})
+                for u in self.urls]
+
+
+def _fleet() -> tuple[GeneratorFleet, FakePusher]:
+    p = FakePusher(["a", "b", "c"])
+    return GeneratorFleet(p), p  # type: ignore[arg-type]
+
+
+def _gen(server: str, boot: str, versions: list[int]) -> Generation:
+    return Generation(token_ids=list(range(len(versions))), logprobs=[0.0] * len(versions), versions=list(versions),
+                      server=server, boot_id=boot)
+
+
+def test_push_outcome_marks_failures_out_and_brings_them_back() -> None:
+    f, p = _fleet()
+    out = f.push({}, 1)
+    assert out.live == ["a", "b", "c"] and not out.out
+    p.answers["b"] = {"url": "b", "ok": False, "status": 503, "error": "busy"}
+    out = f.push({}, 2)
+    assert out.live == ["a", "c"] and list(out.out) == ["b"] and "HTTP 503" in out.out["b"]
+    assert out.metrics() == {"fleet/live": 2.0, "fleet/out": 1.0}
+    assert f.admit(_gen("b", "boot-b", [1, 1])) is not None  # out of the pool: not even its v1 samples
+    del p.answers["b"]
+    assert f.push({}, 3).live == ["a", "b", "c"]
+    assert f.admit(_gen("b", "boot-b", [1, 3])) is None
+    assert f.admit(_gen("b", "boot-b", [2])) is not None  # v2 never reached b: something is off with it
+    assert "b" not in f.live()
+
+
+def test_no_live_generator_raises_and_names_each() -> None:
+    f, p = _fleet()
+    for u in p.urls:
+        p.answers[u] = {"url": u, "ok": False, "status": None, "error": f"ConnectionError {u}"}
+    with pytest.raises(WeightPushError, match="no generator serves it.*ConnectionError a.*ConnectionError c"):
+        f.push({}, 1)
+    assert f.live() == []
+
+
+def test_a_restarted_server_is_refused_until_pushed() -> None:
+    f, p = _fleet()
+    f.push({}, 1)
+    assert f.admit(_gen("a", "boot-a", [1])) is None
+    assert "restarted" in (f.admit(_gen("a", "new-boot", [0])) or "")
+    assert f.refused == 1 and "a" not in f.live()
+    p.answers["a"] = {"url": "a", "ok": True, "status": 200, "response": {"version": 2, "boot_id": "new-boot"}}
+    f.push({}, 2)
+    assert f.admit(_gen("a", "new-boot", [2])) is None
+    assert f.admit(_gen("a", "new-boot", [1])) is not None  # v1 went to the old process, not this one
+
+
+def test_tokens_of_a_push_in_flight_are_admitted() -> None:
+    f, p = _fleet()
+    f.verify("a", 0, "boot-a")
+    f.pending = 1  # the server swapped; its answer has not come back yet
+    assert f.admit(_gen("a", "boot-a", [0, 1])) is None
+    f.pending = None
+    assert f.admit(_gen("a", "boot-a", [0, 5])) is not None
+
+
+class FakeClient:
+    def __init__(self, name: str, boot: str, version: int, fail: bool = False) -> None:
+        self.name, self.boot, self.version, self.fail, self.calls = name, boot, version, fail, 0
+
+    async def generate(self, prompt_ids: Any, sampling: Any) -> Generation:
+        self.calls += 1
+        if self.fail:
+            raise httpx.ConnectError("refused")
+        return _gen(self.name, self.boot, [self.version] * 3)
+
+
+def test_fleet_client_retries_elsewhere_and_marks_servers_out() -> None:
+    f, _ = _fleet()
+    f.push({}, 1)
+    clients = {"a": FakeClient("a", "boot-a", 1, fail=True), "b": FakeClient("b", "other", 0),
+               "c": FakeClient("c", "boot-c", 1)}
+    fc = FleetClient(f, clients, wait_s=1)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=3)
+    gens = [asyncio.run(fc.generate([1, 2], sampling)) for _ in range(4)]
+    assert {g.server for g in gens} == {"c"} and f.live() == ["c"] and f.refused == 1
+    clients["c"].fail = True
+    with pytest.raises(GenerationError, match="no (admissible sample|generator in the rollout pool)"):
+        asyncio.run(fc.generate([1, 2], sampling))
+
+
+def test_versions_from_spans_must_tile_the_tokens() -> None:
+    assert versions_from_spans([[3, 0, 2], [4, 2, 5]], 5) == [3, 3, 4, 4, 4]
+    assert versions_from_spans([], 0) == []
+    for bad, n in (([[3, 0, 2]], 3), ([[3, 1, 3]], 3), ([[3, 0, 2], [4, 1, 3]], 3), ([[3, 0]], 0)):
+        with pytest.raises(GenerationError):
+            versions_from_spans(bad, n)

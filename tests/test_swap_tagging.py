@@ -1,0 +1,62 @@
+"""Per-token versions from the engine's spans (vllm_titan_plugin.swap.tagging), without a server."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from titan_rl_ext.wire.protocol import SPANS_FIELD, VERSION_FIELD
+
+
+def _state(starts: list[tuple[str, int]], n: int) -> Any:
+    return SimpleNamespace(weight_version_starts=starts, detokenizer=SimpleNamespace(num_output_tokens=lambda: n))
+
+
+def test_request_versions_spans_and_lookup() -> None:
+    from vllm_titan_plugin.swap.tagging import RequestVersions
+
+    rv = RequestVersions()
+    parent = object()
+    s1, s0 = _state([("2", 0), ("3", 4)], 6), _state([("default", 0)], 2)
+    rv.add(s1, parent, 1)  # choices register out of order; n=2 children of one prompt
+    rv.add(s0, parent, 0)
+    assert rv.spans(0) == [[0, 0, 2]] and rv.spans(1) == [[2, 0, 4], [3, 4, 6]]
+    assert [rv.version_at(1, i) for i in (0, 3, 4, 5)] == [2, 2, 3, 3] and rv.version_at(1, None) == 3
+    assert rv.spans(2) is None and rv.version_at(5, 0) is None
+    assert RequestVersions().spans(0) is None
+    rv2 = RequestVersions()
+    rv2.add(_state([("not-a-number", 0)], 1), None, 0)  # set by something else: no claim
+    assert rv2.spans(0) is None
+
+
+def test_annotator_tags_each_chunk_with_its_last_token() -> None:
+    import asyncio
+
+    from vllm_titan_plugin.swap.tagging import RequestVersions, _Annotator
+
+    rv = RequestVersions()
+    rv.add(_state([("5", 0), ("6", 3)], 5), None, 0)
+    state = SimpleNamespace(version=6, boot_id="b")
+    sent: list[dict[str, Any]] = []
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    ann = _Annotator(send, state, rv)
+    chunks = [{"choices": [{"index": 0, "token_ids": [1, 2]}]}, {"choices": [{"index": 0, "token_ids": [3, 4]}]},
+              {"choices": [{"index": 0, "token_ids": [5], "finish_reason": "length"}]}]
+    body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+    async def run() -> None:
+        await ann({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await ann({"type": "http.response.body", "body": body[:37], "more_body": True})  # split mid-event
+        await ann({"type": "http.response.body", "body": body[37:], "more_body": False})
+
+    asyncio.run(run())
+    out = b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n")
+    got = [json.loads(e[6:]) for e in out if e.startswith(b"data: {")]
+    assert [g[VERSION_FIELD] for g in got] == [5, 6, 6]  # tokens 0-1 -> v5; 2-3 straddle -> last is v6
+    assert got[-1]["choices"][0][SPANS_FIELD] == [[5, 0, 3], [6, 3, 5]]
+    assert SPANS_FIELD not in got[0]["choices"][0] and b"data: [DONE]" in out
+    assert (b"x-titan-boot-id", b"b") in sent[0]["headers"]

@@ -82,9 +82,12 @@ def test_tokens_of_a_push_in_flight_are_admitted() -> None:
 class FakeClient:
     def __init__(self, name: str, boot: str, version: int, fail: bool = False) -> None:
         self.name, self.boot, self.version, self.fail, self.calls = name, boot, version, fail, 0
+        self.status: int | None = None
 
     async def generate(self, prompt_ids: Any, sampling: Any) -> Generation:
         self.calls += 1
+        if self.status is not None:
+            raise GenerationError(f"HTTP {self.status}", self.status)
         if self.fail:
             raise httpx.ConnectError("refused")
         return _gen(self.name, self.boot, [self.version] * 3)
@@ -99,7 +102,11 @@ def test_fleet_client_retries_elsewhere_and_marks_servers_out() -> None:
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=3)
     gens = [asyncio.run(fc.generate([1, 2], sampling)) for _ in range(4)]
     assert {g.server for g in gens} == {"c"} and f.live() == ["c"] and f.refused == 1
-    clients["c"].fail = True
+    clients["c"].status = 400  # the request's fault: raised, and c stays in the pool
+    with pytest.raises(GenerationError, match="HTTP 400"):
+        asyncio.run(fc.generate([1, 2], sampling))
+    assert f.live() == ["c"]
+    clients["c"].status, clients["c"].fail = None, True
     with pytest.raises(GenerationError, match="no (admissible sample|generator in the rollout pool)"):
         asyncio.run(fc.generate([1, 2], sampling))
 

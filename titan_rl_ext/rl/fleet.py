@@ -147,8 +147,9 @@ class GeneratorFleet:
 
 
 class FleetClient:
-    """A ``Generator`` over a fleet: each request goes to the next live member; a failed request or a
-    refused sample is retried on another member (``max_attempts`` in all)."""
+    """A ``Generator`` over a fleet: each request goes to the next live member; a request the server failed
+    (unreachable, 5xx, an error mid-stream) or a refused sample is retried on another member
+    (``max_attempts`` in all). A 4xx is the request's own fault and is raised as it is."""
 
     def __init__(self, fleet: GeneratorFleet, clients: Mapping[str, Any], max_attempts: int = 8,
                  wait_s: float = 600.0) -> None:
@@ -175,6 +176,8 @@ class FleetClient:
             try:
                 gen = await self.clients[url].generate(prompt_ids, sampling)
             except (httpx.TransportError, GenerationError) as e:
+                if isinstance(e, GenerationError) and e.status is not None and 400 <= e.status < 500:
+                    raise  # the request's fault: another server would refuse it too
                 self.fleet.mark_out(url, f"request failed: {type(e).__name__}: {e}")
                 why.append(f"{url}: {type(e).__name__}")
                 continue

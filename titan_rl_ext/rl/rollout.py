@@ -195,7 +195,12 @@ def pack_samples(samples: Sequence[Sample], device: torch.device | str | None = 
 
 
 class GenerationError(RuntimeError):
-    """The server refused or aborted a completion."""
+    """The server refused or aborted a completion. ``status``: the HTTP status when the server answered
+    with an error (a 4xx is the request's fault, not the server's)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def parse_sse_line(line: str) -> dict[str, Any] | object | None:
@@ -396,7 +401,7 @@ class GeneratorClient:
         ) as r:
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")
-                raise GenerationError(f"HTTP {r.status_code} from /v1/completions: {body[:2000]}")
+                raise GenerationError(f"HTTP {r.status_code} from /v1/completions: {body[:2000]}", r.status_code)
             boot_id = r.headers.get(BOOT_HEADER)
             async for line in r.aiter_lines():
                 if acc.feed_line(line):

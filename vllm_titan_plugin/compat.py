@@ -265,6 +265,32 @@ async def call_engine_utility(engine_client: Any, method: str, *args: Any) -> An
     return await engine_client.engine_core.call_utility_async(method, *args)
 
 
+def engine_has_batches_in_flight(engine_core: Any) -> bool:
+    """Async scheduling / pipeline parallelism keep batches in flight across engine-loop turns
+    (core.py:221 ``batch_queue``); a swap must then wait for them through the pause."""
+    return bool(getattr(engine_core, "batch_queue", None))
+
+
+def can_reset_engine_caches(engine_core: Any) -> bool:
+    return callable(getattr(engine_core, "_reset_caches", None))
+
+
+def reset_engine_caches(engine_core: Any) -> None:
+    """What ``pause_generation(clear_cache=True)`` does once idle (core.py:898): preempt running requests
+    (they recompute) and reset the prefix cache."""
+    engine_core._reset_caches()
+
+
+def synchronize_workers(engine_core: Any) -> None:
+    """Wait for the device to be idle (core.py:917 does this before a pause completes)."""
+    engine_core.model_executor.collective_rpc("synchronize_device")
+
+
+def engine_collective_rpc(engine_core: Any, method: str, *args: Any) -> list[Any]:
+    """Inside the engine core: ``method(*args)`` on every worker."""
+    return list(engine_core.model_executor.collective_rpc(method, args=tuple(args)))
+
+
 def unscheduled_requests(engine_core: Any) -> list[Any]:
     """Requests the scheduler holds that have no computed token yet: new ones waiting for a slot, and
     preempted ones that will recompute (scheduler.requests: every unfinished request)."""

@@ -45,7 +45,7 @@ class WeightPusher:
     """
 
     def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0, transport: str = "safetensors",
-                 use_listener: bool = True) -> None:
+                 use_listener: bool = True, pause: bool = False) -> None:
         if not urls:
             raise ValueError("WeightPusher needs at least one server URL")
         if transport not in TRANSPORTS:
@@ -56,6 +56,7 @@ class WeightPusher:
         self.timeout_s = timeout_s
         self._push_urls: dict[str, str] = {}  # server URL -> where its weights listener answers
         self.use_listener = use_listener  # False: push through the OpenAI port (what a listener-less server has)
+        self.pause = pause  # True: the servers pause their scheduler around the copy (the long way)
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """Serialise once, POST to every server concurrently; returns each server's JSON answer
@@ -94,7 +95,7 @@ class WeightPusher:
     def _post_all(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
         if mode not in MODES:
             raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
-        params = {"version": str(int(version)), "mode": mode, **extra}
+        params = {"version": str(int(version)), "mode": mode, **({"pause": "1"} if self.pause else {}), **extra}
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             return list(pool.map(lambda u: self._post(u, payload, params), self.urls))
 

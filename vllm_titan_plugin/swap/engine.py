@@ -26,6 +26,7 @@ logger = logging.getLogger("vllm.titan_plugin")
 
 _MARK = "__titan_salt__"
 UTILITY = "titan_set_weight_version"
+SWAP_UTILITY = "titan_swap_between_steps"
 
 
 class EngineVersion:
@@ -65,13 +66,32 @@ def set_weight_version(engine_core: Any, version: int) -> int:
     return n
 
 
+def swap_between_steps(engine_core: Any, method: str, arg: Any, version: int, keep_cache: bool) -> dict[str, Any]:
+    """The whole swap as one utility call (installed on ``EngineCore``). The engine core runs utilities
+    between steps, so when no batch is in flight this is as atomic as pause + copy + resume, with one round
+    trip through the API server's busy loop instead of four. Returns ``{"busy": True}`` (nothing done: the
+    caller pauses instead) when a batch is in flight or the caches cannot be reset here; the workers'
+    ``{"problems": ...}`` when they refused (nothing copied); else ``{"resalted": n}``."""
+    if compat.engine_has_batches_in_flight(engine_core) or (not keep_cache and not compat.can_reset_engine_caches(engine_core)):
+        return {"busy": True}
+    compat.synchronize_workers(engine_core)
+    results = compat.engine_collective_rpc(engine_core, method, arg)
+    bad = [r for r in results if isinstance(r, dict) and r.get("problems")]
+    if bad:
+        return bad[0]
+    if not keep_cache:  # "recompute": running requests are preempted and recompute on the new weights
+        compat.reset_engine_caches(engine_core)
+    return {"resalted": set_weight_version(engine_core, version)}
+
+
 def install() -> None:
     """In every process (only the engine core's copy ever runs): the utility, and the re-salt of each request
     as the scheduler receives it (a request can pass the API server before a swap and reach the engine
     after it)."""
     cls = compat.engine_core_class()
-    if getattr(cls, UTILITY, None) is not set_weight_version:
-        setattr(cls, UTILITY, set_weight_version)
+    for name, fn in ((UTILITY, set_weight_version), (SWAP_UTILITY, swap_between_steps)):
+        if getattr(cls, name, None) is not fn:
+            setattr(cls, name, fn)
     orig = cls.add_request
     if getattr(orig, _MARK, False):
         return

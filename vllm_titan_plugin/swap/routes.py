@@ -1,14 +1,16 @@
 """HTTP routes of the weight push (served by the OpenAI app and by the weights listener).
 
-- ``POST /titan/v1/weights?version=N[&mode=keep|recompute]``, ``Authorization: Bearer <token>``, body =
+- ``POST /titan/v1/weights?version=N[&mode=keep|recompute][&pause=1]``, ``Authorization: Bearer <token>``, body =
   the bytes of a safetensors file with the full titan state dict under titan names. 401 no token,
   403 wrong token, 400 bad query or unparseable payload, 409 ``version`` not above the current one,
   413 payload over ``2 * model bytes + 1 MiB`` (refused from ``Content-Length`` before reading, or as
   soon as the stream passes the bound), 422 wrong/missing/extra names, shapes, dtypes or NaN/Inf,
-  naming the tensors. Everything is validated before any weight changes. Then: pause the engine
+  naming the tensors. Everything is validated before any weight changes. Then, between two engine
+  steps, in one engine-core utility call: copy the tensors into the parameters in place in the workers
   (``keep``: in-flight requests keep their KV/GDN state; ``recompute``: they are preempted and
-  recompute), copy the tensors into the parameters in place in the workers, set the engine core's
-  version (outputs carry it from the next step on; waiting requests get its salt), resume.
+  recompute), set the engine core's version (outputs carry it from the next step on; waiting requests
+  get its salt). An engine with a batch in flight (async scheduling), or ``pause=1``, gets the same
+  steps inside a pause of the scheduler instead.
 - ``POST /titan/v1/weights?version=N&transport=cuda_ipc`` (same host, GPU): the body is a JSON manifest of
   CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``). Names, dtypes and shapes are checked from the
   manifest (422), then, paused, each worker opens the handles, checks every tensor is finite (422,
@@ -254,6 +256,9 @@ def make_router(state: SwapState) -> Any:
         transport = q.get("transport", "safetensors")
         if transport not in TRANSPORTS:
             return _error(400, f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if q.get("pause", "0") not in ("0", "1"):
+            return _error(400, "query parameter 'pause' must be 0 or 1")
+        pause = q.get("pause") == "1"
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         allowed = ("", "application/octet-stream") + (("application/json",) if transport == "cuda_ipc" else ())
         if ctype not in allowed:
@@ -265,7 +270,7 @@ def make_router(state: SwapState) -> Any:
         except PushRejected as e:
             return _error(e.status, e.message)
         if transport == "cuda_ipc":
-            return await _push_cuda_ipc(state, request, spec, version, mode)
+            return await _push_cuda_ipc(state, request, spec, version, mode, pause)
         limit = max_bytes(spec)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -279,7 +284,7 @@ def make_router(state: SwapState) -> Any:
             num = await asyncio.to_thread(validate_payload, path, spec)
             validate_s = time.perf_counter() - t0
             swap_s = await state.on_engine_loop(
-                _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep")))
+                _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep"), pause=pause))
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
             return _error(e.status, e.message, e.tensors)
@@ -300,19 +305,32 @@ def make_router(state: SwapState) -> Any:
     return router
 
 
-async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool) -> float:
+async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
+                       pause: bool = False) -> float:
     async with state.lock:
         if version <= state.version:
             raise PushRejected(409, f"version {version} is not greater than the current version {state.version}")
-        return await _swap(state, method, arg, version, keep_cache)
+        return await _swap(state, method, arg, version, keep_cache, pause)
 
 
-async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool) -> float:
-    """Pause, run the worker loader ``method(arg)`` in every worker, set the engine core's version, resume;
-    returns the seconds paused. A worker answering ``{"problems": ...}`` copied nothing: the version stays
-    and the push is rejected (``PushRejected``)."""
+def _rejected(answer: dict[str, Any]) -> PushRejected:
+    return PushRejected(int(answer.get("status", 422)), "; ".join(answer["problems"]), answer.get("tensors"))
+
+
+async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool, pause: bool = False) -> float:
+    """Copy the weights with the worker loader ``method(arg)``, set the engine core's version; returns the
+    seconds it took. First as one engine-core utility between two steps (``engine.swap_between_steps``);
+    when the engine has a batch in flight (or ``pause``), the long way: pause, copy, set, resume. A worker
+    answering ``{"problems": ...}`` copied nothing: the version stays and the push is rejected."""
     engine = state.engine
     t0 = time.perf_counter()
+    if not pause and state.engine_tags:
+        answer = await compat.call_engine_utility(engine, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
+        if answer.get("problems"):
+            raise _rejected(answer)
+        if not answer.get("busy"):
+            state.version = version
+            return time.perf_counter() - t0
     await compat.pause_generation(engine, keep_cache=keep_cache)
     try:
         if not state.engine_tags:
@@ -320,7 +338,7 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         results = await compat.worker_rpc(engine, method, arg)
         bad = [r for r in results if isinstance(r, dict) and r.get("problems")]
         if bad:
-            raise PushRejected(int(bad[0].get("status", 422)), "; ".join(bad[0]["problems"]), bad[0].get("tensors"))
+            raise _rejected(bad[0])
         # paused: the next step's outputs are the first of the new weights, and carry its number
         await compat.call_engine_utility(engine, engine_side.UTILITY, version)
         state.version = version
@@ -330,7 +348,7 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
 
 
 async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, list[Any]], version: int,
-                         mode: str) -> Any:
+                         mode: str, pause: bool) -> Any:
     """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``)."""
     body = bytearray()
     async for chunk in request.stream():
@@ -347,7 +365,7 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
     try:
         check_spec(spec, got)
         swap_s = await state.on_engine_loop(
-            _locked_swap(state, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep")))
+            _locked_swap(state, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep"), pause=pause))
     except PushRejected as e:
         logger.warning("titan weight push v%d (cuda_ipc) rejected (%d): %s", version, e.status, e.message[:500])
         return _error(e.status, e.message, e.tensors)

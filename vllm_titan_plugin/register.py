@@ -27,11 +27,23 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(SUPPORTED_ARCHITECTURES)
 
 
-def titan_model_class(architectures: str | list[str]) -> tuple[type, str]:
-    """(titan vLLM model class, the checkpoint's architecture name); raises for anything unsupported."""
+def titan_model_class(architectures: str | list[str], model_config: Any = None) -> tuple[type, str]:
+    """(titan vLLM model class, the checkpoint's architecture name); raises for anything unsupported.
+    A checkpoint whose HF config names a ``titan_model_spec`` (``--hf-overrides``) is served with that
+    torchtitan definition (``upstream_model``); the spec is checked here, at start-up."""
     from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES
 
     archs = [architectures] if isinstance(architectures, str) else list(architectures)
+    from vllm_titan_plugin.upstream_model import spec_of
+
+    if model_config is not None and (spec := spec_of(model_config)) is not None:
+        from titan_rl_ext.models.upstream.build import check_architecture, spec_name
+        from vllm_titan_plugin.upstream_model import TorchtitanForCausalLM
+
+        if len(archs) != 1:
+            raise ValueError(f"titan_model_spec={spec!r} needs a checkpoint with one architecture, got {archs}")
+        check_architecture(spec_name(spec), archs[0])
+        return TorchtitanForCausalLM, archs[0]
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"--model-impl {TITAN_MODEL_IMPL} does not support architecture(s) {archs or '(none given)'}; "
@@ -63,7 +75,7 @@ def _route_inspect(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, architectures, model_config)
         from vllm_titan_plugin import compat
 
-        cls, arch = titan_model_class(architectures)
+        cls, arch = titan_model_class(architectures, model_config)
         _prepare_config(model_config)
         return compat.model_info(cls), arch
 
@@ -76,7 +88,7 @@ def _route_resolve(orig: Callable[..., Any]) -> Callable[..., Any]:
     def resolve_model_cls(self: Any, architectures: str | list[str], model_config: Any) -> Any:
         if not _wants_titan(model_config):
             return orig(self, architectures, model_config)
-        return titan_model_class(architectures)
+        return titan_model_class(architectures, model_config)
 
     setattr(resolve_model_cls, _MARK, True)
     return resolve_model_cls

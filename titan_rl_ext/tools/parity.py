@@ -1,7 +1,7 @@
 """Trainer vs generator logprobs through the real vLLM engine (``--model-impl titan``).
 
     python -m titan_rl_ext.tools.parity --model-dir DIR [--bi] [--num-seqs N] [--max-tokens T] [--prefix-caching]
-        [--doctor] [--perturb-generator-op MODULE]
+        [--doctor] [--perturb-generator-op MODULE] [--titan-model-spec torchtitan.models.qwen3]
 
 Generates N sequences at temperature 1.0 from concurrent prompts of mixed lengths (groups sharing a
 prefix, prefills split across steps by a small token budget), then recomputes the logprob of every
@@ -53,10 +53,14 @@ def engine_model(worker: object) -> torch.nn.Module:
 
 
 def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, attention_backend: str | None = None,
-                 max_num_batched_tokens: int = 64) -> object:
+                 max_num_batched_tokens: int = 64, spec: str | None = None) -> object:
     from vllm import LLM
 
-    extra = {"attention_backend": attention_backend} if attention_backend else {}
+    extra: dict[str, object] = {"attention_backend": attention_backend} if attention_backend else {}
+    if spec:  # serve torchtitan's own definition of the checkpoint (models.upstream)
+        from titan_rl_ext.models.upstream.build import SPEC_KEY
+
+        extra["hf_overrides"] = {SPEC_KEY: spec}
     llm = LLM(
         **extra,
         model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=True,
@@ -66,7 +70,7 @@ def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, at
     # vLLM accepts any --model-impl string and silently serves its native class when the plugin's entry
     # point is not installed (e.g. the package is only on PYTHONPATH): refuse to compare against that.
     served = llm.collective_rpc(lambda w: type(engine_model(w)).__name__)  # type: ignore[attr-defined]
-    if not all(name.startswith("Titan") for name in served):
+    if not all(name.startswith(("Titan", "Torchtitan")) for name in served):
         raise RuntimeError(
             f"vLLM is serving {served}, not the titan model: is the vllm_titan_plugin entry point installed "
             "(pip install this package; PYTHONPATH alone does not register vllm.general_plugins)?"
@@ -93,9 +97,13 @@ def generate(llm: object, prompts: list[list[int]], max_tokens: int, prefix_cach
 
 
 @torch.no_grad()
-def recompute(model: torch.nn.Module, rollouts: list[Rollout]) -> list[torch.Tensor]:
+def recompute(model: torch.nn.Module, rollouts: list[Rollout], spec: str | None = None) -> list[torch.Tensor]:
     from titan_rl_ext.models.common.batch import SeqBatch
-    from titan_rl_ext.rl.logprobs import token_logprobs
+
+    if spec:
+        from titan_rl_ext.models.upstream.packed import token_logprobs
+    else:
+        from titan_rl_ext.rl.logprobs import token_logprobs  # type: ignore[assignment]
 
     device = next(model.parameters()).device
     seqs = [torch.tensor(r.prompt + r.completion, device=device) for r in rollouts]
@@ -171,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-prefix", type=int, default=300,
                     help="tokens of the prefix every third prompt shares (must exceed the block size to be cached)")
     ap.add_argument("--doctor", action="store_true", help="on any difference, locate the first diverging op")
+    ap.add_argument("--titan-model-spec", default=None, metavar="SPEC",
+                    help="serve and recompute with torchtitan's own definition, e.g. torchtitan.models.qwen3")
     ap.add_argument("--perturb-generator-op", metavar="MODULE", help="debug: nudge MODULE's output in the engine only")
     args = ap.parse_args(argv)
 
@@ -180,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from titan_rl_ext.models.hf import config_from_hf, read_config
 
-    vocab = config_from_hf(read_config(args.model_dir)).vocab_size  # vLLM accepts any id below vocab_size
+    hf = read_config(args.model_dir)  # vLLM accepts any id below vocab_size
+    vocab = int(hf["vocab_size"]) if args.titan_model_spec else config_from_hf(hf).vocab_size
     prompts = make_prompts(args.num_seqs, vocab, args.seed, args.shared_prefix)
     llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend,
-                       args.max_num_batched_tokens)
+                       args.max_num_batched_tokens, args.titan_model_spec)
     if args.perturb_generator_op:
         from titan_rl_ext.tools.parity_doctor import perturb_output_hook
 
@@ -192,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     from titan_rl_ext.models.hf import load_hf_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _ = load_hf_model(args.model_dir, dtype=getattr(torch, args.dtype), device=device)
-    model.eval()
-    trainer = recompute(model, rollouts)
+    if args.titan_model_spec:
+        from titan_rl_ext.models.upstream.packed import load_hf
+
+        model = load_hf(args.model_dir, args.titan_model_spec, getattr(torch, args.dtype), device)
+    else:
+        model, _ = load_hf_model(args.model_dir, dtype=getattr(torch, args.dtype), device=device)
+        model.eval()
+    trainer = recompute(model, rollouts, args.titan_model_spec)
     gen = torch.cat([torch.tensor(r.gen_logprobs, dtype=torch.float32) for r in rollouts])
     ours = torch.cat(trainer)
     diff = (gen - ours).abs()

@@ -1,0 +1,88 @@
+"""The trainer side of an upstream torchtitan model: packed sequences in, per-token logprobs out.
+
+``PackedAttention`` fills each attention module's ``inner_attention``: torchtitan hands it q/k/v as
+``[1, T, N, H]`` after its projections, norms and rotary, with ``attention_masks`` passed through from
+``model(tokens, positions=..., attention_masks=...)``: here a ``SeqBatch`` (sequence bounds). Each sequence
+attends causally to itself; under batch invariance with the project's ``attention_bi`` (the kernel the
+plugin runs over vLLM's paged cache on CPU: same bits), otherwise SDPA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_rl_ext.kernels import batch_invariant as bi
+from titan_rl_ext.kernels.attention import attention_bi
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.upstream.bi_ops import BatchInvariantOps
+from titan_rl_ext.models.upstream.build import attention_modules
+
+
+class PackedAttention(nn.Module):
+    def __init__(self, head_dim: int, scale: float | None) -> None:
+        super().__init__()
+        self.scale = head_dim**-0.5 if scale is None else scale
+
+    def forward(self, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor, *,
+                attention_masks: SeqBatch | None = None, scale: float | None = None, enable_gqa: bool = False,
+                **_: Any) -> torch.Tensor:
+        if q_BTNH.shape[0] != 1 or not isinstance(attention_masks, SeqBatch):
+            raise ValueError("PackedAttention takes one packed row [1, T, N, H] and the SeqBatch as attention_masks")
+        s = self.scale if scale is None else scale
+        q, k, v = q_BTNH[0], k_BTKH[0], v_BTKH[0]
+        out = torch.empty_like(q)
+        bounds = attention_masks.cu_seqlens.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if bi.is_batch_invariant():
+                out[a:b] = attention_bi(q[a:b], k[a:b], v[a:b], 0, s)
+            else:
+                rep = q.shape[1] // k.shape[1]
+                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].repeat_interleave(rep, 1).transpose(0, 1),
+                                                   v[a:b].repeat_interleave(rep, 1).transpose(0, 1), is_causal=True, scale=s)
+                out[a:b] = o.transpose(0, 1)
+        return out[None]
+
+
+def install_packed_attention(model: nn.Module) -> nn.Module:
+    """Fill every ``inner_attention`` slot of a torchtitan model with ``PackedAttention``."""
+    for _, m in attention_modules(model):
+        m.inner_attention = PackedAttention(m.head_dim, getattr(m, "scaling", None))
+    return model
+
+
+def token_logprobs(model: nn.Module, tokens_T: torch.Tensor, batch: SeqBatch) -> torch.Tensor:
+    """``lp[t] = log p(tokens[t] | the tokens of its sequence before t)``, NaN at each sequence's first
+    token; fp32 logits and the log-softmax call vLLM's sampler makes, as ``rl.logprobs.token_logprobs``."""
+    with BatchInvariantOps() if bi.is_batch_invariant() else contextlib.nullcontext():
+        logits = model(tokens_T[None], positions=batch.positions[None], attention_masks=batch)[0]
+    lp_TV = logits.float().log_softmax(dim=-1, dtype=torch.float32)
+    T = tokens_T.shape[0]
+    out = torch.full((T,), float("nan"), dtype=torch.float32, device=tokens_T.device)
+    first = torch.zeros(T, dtype=torch.bool, device=tokens_T.device)
+    first[batch.cu_seqlens[:-1].long().clamp(max=max(T - 1, 0))] = True
+    rows = (~first).nonzero().flatten()
+    out[rows] = lp_TV[rows - 1, tokens_T[rows]]
+    return out
+
+
+def load_hf(model_dir: str, spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """The trainer's copy of an HF checkpoint in torchtitan's definition: weights through the spec's
+    adapter (strict), ``PackedAttention`` in every attention module."""
+    from titan_rl_ext.models.hf import read_config, read_safetensors
+    from titan_rl_ext.models.upstream.build import build, check_architecture, spec_name
+
+    hf = read_config(model_dir)
+    name = spec_name(spec)
+    check_architecture(name, (hf.get("architectures") or ["?"])[0])
+    model, adapter = build(name, hf)
+    sd = {k: v for k, v in adapter.from_hf(read_safetensors(model_dir)).items() if v is not None}
+    model.load_state_dict(sd, strict=True)
+    model.to(device=device)
+    for p in model.parameters():  # not Module.to(dtype): that would cast the complex rotary cache to real
+        p.data = p.data.to(dtype)
+    return install_packed_attention(model).eval()

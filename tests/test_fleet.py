@@ -315,7 +315,7 @@ def test_every_admitted_sample_has_the_weights_its_tags_say(fl: Fleet) -> None:
 def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None:
     """Warm the prefix cache with prompt P on one server, pause its scheduler (the dev route: the request
     passes the API server, is salted with the current version and waits in the engine), push a new version
-    with ``keep``, and only then let the request run. It must not hit P's blocks from the old weights, and
+    with ``keep`` (it lands between two engine steps, the pause stays), and only then resume. It must not hit P's blocks from the old weights, and
     its logprobs must be what the new weights give from scratch."""
     import requests
 
@@ -349,7 +349,10 @@ def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None
     assert not waiting, "the request ran while the scheduler was paused"
     new = version + 1
     fl.weights[new] = _scaled(fl.reference, new)
-    WeightPusher([url], TOKEN).push(fl.weights[new], new, mode="keep")  # resumes the scheduler when done
+    WeightPusher([url], TOKEN).push(fl.weights[new], new, mode="keep")  # between two engine steps
+    assert not waiting, "the request ran before the scheduler was resumed"
+    r = requests.post(f"{base}/resume", timeout=60)  # the operator's pause is left to the operator
+    assert r.status_code == 200, r.text
     t.join(120)
     assert waiting, "the waiting request never finished"
     choice = waiting["choices"][0]

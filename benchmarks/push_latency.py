@@ -7,7 +7,8 @@ once, so they are measured in one process, under the same load, interleaved push
   streaming, and a swap inside a pause of the scheduler (pause, copy, set version, resume: four engine
   calls through that loop) -- what every push did before;
 - ``listener_paused``: the weights listener (``push_port``, its own thread and loop), same paused swap;
-- ``listener``: the listener, and the swap as one engine-core call between two steps (the default).
+- ``openai_port``: the OpenAI route, and the swap as one engine-core call between two steps;
+- ``listener``: the listener, and the swap between two steps.
 
 Latency is from "the pusher starts sending" to "the response says the new version is live" (the server
 answers after the engine core has the new version and generation resumed). Measured first with no
@@ -83,7 +84,7 @@ def _summary(xs: list[float]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--pushes", type=int, default=12, help="pushes per path and condition")
+    ap.add_argument("--pushes", type=int, default=24, help="pushes per path and condition")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -108,6 +109,7 @@ def main() -> None:
         srv.wait_ready()
         paths = {"openai_port_paused": WeightPusher([srv.base], TOKEN, use_listener=False, pause=True),
                  "listener_paused": WeightPusher([srv.base], TOKEN, pause=True),
+                 "openai_port": WeightPusher([srv.base], TOKEN, use_listener=False),
                  "listener": WeightPusher([srv.base], TOKEN)}
         assert paths["listener"].push_url(srv.base) != srv.base, "the server advertises no weights listener"
         results["payload_bytes"] = len(serialize(ref))

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from titan_rl_ext.rl.config import RLConfig

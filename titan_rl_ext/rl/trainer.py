@@ -57,7 +57,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torchtitan.distributed import utils as dist_utils
@@ -69,6 +69,9 @@ from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, load_eval_items,
 from titan_rl_ext.rl.rollout_service import RolloutService
 from titan_rl_ext.rl.stale_gap import StaleGap
 from titan_rl_ext.wire.protocol import TOKEN_ENV, VERSION_ROUTE
+
+if TYPE_CHECKING:
+    from titan_rl_ext.rl.fleet import FleetPush
 
 logger = logging.getLogger(__name__)
 

@@ -17,24 +17,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from test_vllm_plugin import ENGINE_ENV, LOGPROB_TOL, _assert_same, _generate, _prompts, _transformers_greedy, titan_engine
+from test_vllm_plugin import _engine_env  # noqa: F401 -- the module's autouse engine environment
+from test_vllm_plugin import LOGPROB_TOL, _assert_same, _generate, _prompts, _transformers_greedy, titan_engine
 
 SPECS = {"qwen3": "torchtitan.models.qwen3", "llama3": "torchtitan.models.llama3"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in ENGINE_ENV.items():
-            mp.setenv(k, v)
-        yield
 
 
 @pytest.fixture(scope="module")

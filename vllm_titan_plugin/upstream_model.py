@@ -74,13 +74,14 @@ class TorchtitanForCausalLM(nn.Module):
         model._skip_lm_head = True  # forward returns hidden states; compute_logits applies the head
         self.model = model
         model_prefix = f"{prefix}.model" if prefix else "model"
-        for path, a in B.attention_modules(model):
+        attention = B.attention_modules(model)
+        for path, a in attention:
             scale = a.scaling if getattr(a, "scaling", None) is not None else a.head_dim**-0.5
             a.inner_attention = PagedInnerAttention(
                 a.n_heads, a.n_kv_heads, a.head_dim, scale, cache_config=vllm_config.cache_config,
                 prefix=f"{model_prefix}.{path}.inner_attention")
         logger.info("titan: serving torchtitan.models.%s (%s) with paged inner attention in %d modules",
-                    self.spec, type(model).__name__, len(B.attention_modules(model)))
+                    self.spec, type(model).__name__, len(attention))
 
     def _ops(self) -> Any:
         from titan_rl_ext.models.upstream.bi_ops import BatchInvariantOps

@@ -62,22 +62,14 @@ class WeightPusher:
         """Serialise once, POST to every server concurrently; returns each server's JSON answer
         (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``). Raises
         ``WeightPushError`` naming every server that rejected the push."""
-        if self.transport == "cuda_ipc":
-            from titan_rl_ext.wire.cuda_ipc import export_tensors
-
-            manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
-            try:
-                return self._push(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"})
-            finally:
-                del keep_alive
-        return self.push_payload(serialize(state_dict), version, mode)
+        return self._checked(self.push_each(state_dict, version, mode), version)
 
     def push_payload(self, payload: bytes, version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """``push`` of an already serialised state dict (``serialize``): lets a caller serialise in one
         thread or process and send from another. safetensors transport only."""
         if self.transport != "safetensors":
             raise ValueError(f"push_payload sends safetensors bytes; this pusher uses transport={self.transport!r}")
-        return self._push(payload, version, mode, {})
+        return self._checked(self._post_all(payload, version, mode, {}), version)
 
     def push_each(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """``push`` without raising: one ``{"url", "ok", "status", "response" | "error"}`` per server, in
@@ -85,7 +77,7 @@ class WeightPusher:
         if self.transport == "cuda_ipc":
             from titan_rl_ext.wire.cuda_ipc import export_tensors
 
-            manifest, keep_alive = export_tensors(state_dict)
+            manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
             try:
                 return self._post_all(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"})
             finally:
@@ -99,8 +91,8 @@ class WeightPusher:
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             return list(pool.map(lambda u: self._post(u, payload, params), self.urls))
 
-    def _push(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
-        results = self._post_all(payload, version, mode, extra)
+    @staticmethod
+    def _checked(results: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
         failed = [r for r in results if not r["ok"]]
         if failed:
             lines = "; ".join(f"{r['url']}: HTTP {r['status']} {r['error']}" for r in failed)

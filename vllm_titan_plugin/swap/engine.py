@@ -1,8 +1,9 @@
 """Engine-core side of a swap: the weight version every step's outputs carry, and the prefix-cache salt a
 request has when it is first scheduled.
 
-Both live in the engine-core process, set by one utility call (``titan_set_weight_version``) made while
-generation is paused, after the workers copied the new weights. Two consequences:
+Both live in the engine-core process and change in the engine core's own loop, between two steps: in
+``swap_between_steps`` (copy, version, re-salt in one utility call) or, where a batch may be in flight, in
+``titan_set_weight_version`` called while generation is paused. Two consequences:
 
 - Outputs are stamped with the version when the engine core builds them (vLLM's own
   ``EngineCoreOutputs.weight_version``, where the release has it), so a token's tag cannot depend on how
@@ -21,6 +22,7 @@ from typing import Any
 
 from titan_rl_ext.wire.protocol import SALT_PREFIX
 from vllm_titan_plugin import compat
+from vllm_titan_plugin.swap.worker import first_refusal
 
 logger = logging.getLogger("vllm.titan_plugin")
 
@@ -76,9 +78,8 @@ def swap_between_steps(engine_core: Any, method: str, arg: Any, version: int, ke
         return {"busy": True}
     compat.synchronize_workers(engine_core)
     results = compat.engine_collective_rpc(engine_core, method, arg)
-    bad = [r for r in results if isinstance(r, dict) and r.get("problems")]
-    if bad:
-        return bad[0]
+    if (refused := first_refusal(results)) is not None:
+        return refused
     if not keep_cache:  # "recompute": running requests are preempted and recompute on the new weights
         compat.reset_engine_caches(engine_core)
     return {"resalted": set_weight_version(engine_core, version)}

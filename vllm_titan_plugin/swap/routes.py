@@ -49,6 +49,7 @@ from titan_rl_ext.wire.protocol import (
 from vllm_titan_plugin import checks, compat
 from vllm_titan_plugin.swap import engine as engine_side
 from vllm_titan_plugin.swap.validate import PushRejected, check_spec, manifest_spec, max_bytes, validate_payload
+from vllm_titan_plugin.swap.worker import first_refusal
 
 logger = logging.getLogger("vllm.titan_plugin")
 
@@ -324,6 +325,7 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
     answering ``{"problems": ...}`` copied nothing: the version stays and the push is rejected."""
     engine = state.engine
     t0 = time.perf_counter()
+    # without engine-stamped outputs (vLLM 0.26) the chunk tags rely on the pause + flush ordering below
     if not pause and state.engine_tags:
         answer = await compat.call_engine_utility(engine, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
         if answer.get("problems"):
@@ -336,9 +338,8 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         if not state.engine_tags:
             await asyncio.sleep(FLUSH_SECONDS)  # let chunks produced by the old weights leave as the old version
         results = await compat.worker_rpc(engine, method, arg)
-        bad = [r for r in results if isinstance(r, dict) and r.get("problems")]
-        if bad:
-            raise _rejected(bad[0])
+        if (refused := first_refusal(results)) is not None:
+            raise _rejected(refused)
         # paused: the next step's outputs are the first of the new weights, and carry its number
         await compat.call_engine_utility(engine, engine_side.UTILITY, version)
         state.version = version

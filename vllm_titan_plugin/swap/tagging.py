@@ -234,12 +234,16 @@ class _Annotator:
                 chunk = json.loads(body)
             except ValueError:
                 continue
-            lines[i] = b"data: " + json.dumps(self._tag_chunk(chunk), separators=(",", ":")).encode()
+            version, finished = self._tag_chunk(chunk)
+            # only a finished choice's chunk changes beyond the tag: re-serialise that one, splice the rest
+            lines[i] = (b"data: " + json.dumps({VERSION_FIELD: version, **chunk}, separators=(",", ":")).encode()
+                        if finished else _splice(body, version))
         return b"\n".join(lines)
 
-    def _tag_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+    def _tag_chunk(self, chunk: dict[str, Any]) -> tuple[int, bool]:
+        """(the version of the chunk's last token, whether a choice finished and got its spans)."""
         assert self.cell is not None
-        version = None
+        version, finished = None, False
         for choice in chunk.get("choices") or ():
             k = int(choice.get("index", 0))
             n = _choice_tokens(choice)
@@ -250,7 +254,8 @@ class _Annotator:
                 version = self.cell.version_at(k, None)
             if choice.get("finish_reason") is not None:
                 choice[SPANS_FIELD] = self.cell.spans(k)
-        return {VERSION_FIELD: self.state.version if version is None else version, **chunk}
+                finished = True
+        return (self.state.version if version is None else version), finished
 
     def _whole_body(self, body: bytes) -> bytes:
         assert self.cell is not None
@@ -276,13 +281,19 @@ def _replay(first: list[Message], receive: Receive) -> Receive:
 
 def annotate_event(event: bytes, version: int) -> bytes:
     """The fallback tag (no engine-carried versions): ``version`` spliced into each ``data: {json}`` line of
-    one SSE event as the object's first member, without parsing and re-serialising the chunk."""
+    one SSE event."""
     lines = event.split(b"\n")
     for i, line in enumerate(lines):
         if not line.startswith(b"data:"):
             continue
         body = line[5:].strip()
         if body.startswith(b"{") and body.endswith(b"}"):
-            rest = body[1:].lstrip()
-            lines[i] = b'data: {"%s":%d%s%s' % (VERSION_FIELD.encode(), version, b"" if rest.startswith(b"}") else b",", rest)
+            lines[i] = _splice(body, version)
     return b"\n".join(lines)
+
+
+def _splice(body: bytes, version: int) -> bytes:
+    """``data: `` + the JSON object ``body`` with the version as its first member, without parsing and
+    re-serialising it: the API server does this for every token of every stream."""
+    rest = body[1:].lstrip()
+    return b'data: {"%s":%d%s%s' % (VERSION_FIELD.encode(), version, b"" if rest.startswith(b"}") else b",", rest)

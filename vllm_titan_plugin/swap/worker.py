@@ -91,6 +91,11 @@ def worker_set_batch_invariant(worker: Any, enabled: bool) -> bool:
 
 
 
+def first_refusal(results: list[Any]) -> dict[str, Any] | None:
+    """The first worker answer of the form ``{"problems": [...], ...}`` (that worker copied nothing), if any."""
+    return next((r for r in results if isinstance(r, dict) and r.get("problems")), None)
+
+
 METHODS = {
     "titan_weight_spec": worker_weight_spec,
     "titan_load_weights": worker_load_weights,

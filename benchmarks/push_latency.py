@@ -44,11 +44,13 @@ def _load(base: str, model: str, streams: int, stop: Any, started: Any, tokens: 
     """Child process: ``streams`` streaming completions at all times until ``stop`` is set."""
     import httpx
 
+    from titan_rl_ext.rl.sse import sse_lines
+
     async def one(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": model, "prompt": [3 + (i * 7 + j) % 500 for j in range(8 + i % 17)], "max_tokens": 128,
                 "temperature": 1.0, "ignore_eos": True, "stream": True, "logprobs": 0, "return_token_ids": True}
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):
                 if line.startswith("data: {"):
                     with tokens.get_lock():
                         tokens.value += 1

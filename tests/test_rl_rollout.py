@@ -133,6 +133,43 @@ def test_client_version_zero_without_endpoint_and_annotation_skips_get() -> None
     assert [r.url.path for r in seen] == ["/titan/v1/weights/version", "/v1/completions", "/v1/completions"]
 
 
+def _raw_chunk(ids: list[int], lps: list[float], text: str, finish: str | None = None) -> str:
+    """As vLLM writes it: non-ASCII characters of the text unescaped (pydantic's JSON)."""
+    line = json.loads(_chunk(ids, lps, finish=finish)[6:])
+    line["choices"][0]["text"] = text
+    return "data: " + json.dumps(line, ensure_ascii=False)
+
+
+# characters str.splitlines (and httpx's aiter_lines) treats as line breaks, but SSE does not
+NOT_SSE_BREAKS = "\x85\u2028\u2029 \x0b\x0c\x1c"
+
+
+def test_sse_lines_split_only_where_the_spec_ends_a_line() -> None:
+    from titan_rl_ext.rl.sse import SSELineDecoder
+
+    events = [_raw_chunk([5], [-1.0], "a" + NOT_SSE_BREAKS), _raw_chunk([6], [-2.0], "\u00e9\u4e2d" + NOT_SSE_BREAKS, "stop")]
+    # CRLF, LF and CR each end a line; the stream also ends without a final line ending
+    body = (events[0] + "\r\n\r\n" + events[1] + "\n\n" + "data: [DONE]\r\r" + ": comment").encode()
+    want = [events[0], "", events[1], "", "data: [DONE]", "", ": comment"]
+    for cut in range(len(body) + 1):  # every split point: CRLF across pieces, multi-byte characters cut
+        dec = SSELineDecoder()
+        got = dec.feed(body[:cut]) + dec.feed(body[cut:]) + dec.flush()
+        assert got == want, cut
+    one = SSELineDecoder()
+    assert [x for b in body for x in one.feed(bytes([b]))] + one.flush() == want
+    acc = StreamAccumulator()
+    acc.feed_lines(want)
+    assert acc.result().token_ids == [5, 6] and acc.result().finish_reason == "stop"
+
+
+def test_client_reads_tokens_whose_text_holds_unicode_line_separators() -> None:
+    events = [_raw_chunk([5, 6], [-1.0, -2.0], "x" + NOT_SSE_BREAKS), _raw_chunk([2], [-0.5], "\u2028", finish="stop"),
+              "data: [DONE]"]
+    client, _ = _mock_client(events, {"version": 1})
+    gen = asyncio.run(client.generate([1], SamplingConfig()))
+    assert gen.token_ids == [5, 6, 2] and gen.logprobs == [-1.0, -2.0, -0.5] and gen.finish_reason == "stop"
+
+
 # -- environments --------------------------------------------------------------------------------
 
 

@@ -276,6 +276,7 @@ def test_good_push_swaps_bit_exact(server: Server) -> None:
     (res,) = server.pusher.push(new, v)
     client_s = time.perf_counter() - t0
     assert res["version"] == v and res["num_tensors"] == len(new)
+    assert res["in_flight"] == 0  # no request was running: the swap straddles none
     assert _version(server) == v
     assert server.pusher.checksums() == checksum(new)  # bit for bit
     r = _complete(server, prompts[0])
@@ -289,7 +290,8 @@ def test_good_push_swaps_bit_exact(server: Server) -> None:
 
 
 # -- swaps under a streaming request -----------------------------------------------------------------------
-def _stream_across_push(server: Server, mode: str, max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int]:
+def _stream_across_push(server: Server, mode: str,
+                        max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int, dict[str, Any]]:
     import requests
 
     old = _version(server)
@@ -315,10 +317,10 @@ def _stream_across_push(server: Server, mode: str, max_tokens: int = STREAM_TOKE
         assert time.time() < deadline, "stream did not start"
         time.sleep(0.001)
     assert not errors, errors
-    server.pusher.push(server.reference, old + 1, mode=mode)
+    (res,) = server.pusher.push(server.reference, old + 1, mode=mode)
     th.join(timeout=300)
     assert not errors, errors
-    return chunks, old
+    return chunks, old, res
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
@@ -328,12 +330,16 @@ def test_swap_during_streaming_request(server: Server, mode: str) -> None:
     # attempt says nothing, so try again with the next version. The properties are checked on a
     # request that did straddle one.
     for _ in range(4):
-        chunks, old = _stream_across_push(server, mode)
+        chunks, old, res = _stream_across_push(server, mode)
         versions = [c["titan_weight_version"] for c in chunks]
-        if versions and versions[-1] == old + 1 and versions[0] == old:
+        # the server's own count says whether the request was in flight when the swap landed
+        assert bool(res["in_flight"]) == (bool(versions) and versions[0] == old and versions[-1] == old + 1), (
+            res["in_flight"], versions[:1], versions[-1:])
+        if res["in_flight"]:
             break
     assert all(a <= b for a, b in zip(versions, versions[1:])), versions
     assert versions[0] == old and versions[-1] == old + 1, (versions[0], versions[-1])
+    assert res["in_flight"] == 1
     usage = [c["usage"] for c in chunks if c.get("usage")]
     assert usage and usage[-1]["completion_tokens"] == STREAM_TOKENS  # the request completed
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]

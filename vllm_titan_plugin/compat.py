@@ -300,6 +300,11 @@ def unscheduled_requests(engine_core: Any) -> list[Any]:
     return [r for r in engine_core.scheduler.requests.values() if r.status in pending and not r.num_computed_tokens]
 
 
+def requests_with_output(engine_core: Any) -> int:
+    """Unfinished requests that already produced output tokens (preempted ones included: they keep theirs)."""
+    return sum(1 for r in engine_core.scheduler.requests.values() if r.num_output_tokens > 0)
+
+
 def rehash_request_blocks(request: Any) -> None:
     """Recompute a request's prefix-cache block hashes from scratch (request.py:285: the hasher appends
     from ``len(block_hashes)`` on, chaining on the last one)."""

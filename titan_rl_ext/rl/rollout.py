@@ -23,7 +23,6 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from titan_rl_ext.rl.sse import DONE, parse_sse_line, sse_lines
 from titan_rl_ext.wire.protocol import BOOT_HEADER, SPANS_FIELD, VERSION_FIELD
 from titan_rl_ext.wire.protocol import VERSION_ROUTE as VERSION_PATH
 
@@ -61,7 +61,6 @@ __all__ = [
 # Tokens the environment wrote were produced by no policy: they get this version and never count
 # towards a sequence's oldest version (which decides its staleness).
 ENV_TOKEN_VERSION = -1
-_DONE = object()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,20 +202,6 @@ class GenerationError(RuntimeError):
         self.status = status
 
 
-def parse_sse_line(line: str) -> dict[str, Any] | object | None:
-    """One line of a server-sent-event stream: the chunk's JSON object, ``_DONE`` for the
-    terminator, or None for lines that carry no data (blank separators, comments, other fields)."""
-    line = line.strip()
-    if not line.startswith("data:"):
-        return None
-    payload = line[len("data:"):].strip()
-    if payload == "[DONE]":
-        return _DONE
-    if not payload:
-        return None
-    return json.loads(payload)
-
-
 def _token_id(token: str) -> int:
     if not token.startswith("token_id:"):
         raise GenerationError(f"logprob token {token!r} is not 'token_id:<int>' (send return_tokens_as_token_ids)")
@@ -297,7 +282,7 @@ class StreamAccumulator:
     def feed_line(self, line: str) -> bool:
         """Feeds one SSE line; True once the stream's terminator arrived."""
         item = parse_sse_line(line)
-        if item is _DONE:
+        if item is DONE:
             return True
         if item is not None:
             self.feed(item)  # type: ignore[arg-type]
@@ -403,7 +388,7 @@ class GeneratorClient:
                 body = (await r.aread()).decode(errors="replace")
                 raise GenerationError(f"HTTP {r.status_code} from /v1/completions: {body[:2000]}", r.status_code)
             boot_id = r.headers.get(BOOT_HEADER)
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):  # not aiter_lines: see rl.sse
                 if acc.feed_line(line):
                     break
         if acc.saw_version_annotation:

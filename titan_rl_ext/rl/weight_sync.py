@@ -60,7 +60,8 @@ class WeightPusher:
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """Serialise once, POST to every server concurrently; returns each server's JSON answer
-        (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``). Raises
+        (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``, ``in_flight``: the
+        requests that straddle the swap). Raises
         ``WeightPushError`` naming every server that rejected the push."""
         return self._checked(self.push_each(state_dict, version, mode), version)
 

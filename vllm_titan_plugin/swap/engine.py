@@ -57,15 +57,17 @@ def resalt(request: Any) -> bool:
     return True
 
 
-def set_weight_version(engine_core: Any, version: int) -> int:
+def set_weight_version(engine_core: Any, version: int) -> dict[str, int]:
     """The utility method (installed on vLLM's ``EngineCore``): runs between engine steps, paused. Returns
-    how many waiting requests were re-salted."""
+    how many waiting requests were re-salted, and how many requests straddle the swap (``in_flight``:
+    they hold tokens of the old weights and their next tokens carry the new version). A swap that lands
+    while the engine holds no such request changed no sample's history: the pusher can tell."""
     EngineVersion.version = int(version)
     compat.set_engine_weight_version(engine_core, str(int(version)))
     n = sum(resalt(r) for r in compat.unscheduled_requests(engine_core))
     if n:
         logger.info("titan weights v%d: re-salted %d waiting request(s)", version, n)
-    return n
+    return {"resalted": n, "in_flight": compat.requests_with_output(engine_core)}
 
 
 def swap_between_steps(engine_core: Any, method: str, arg: Any, version: int, keep_cache: bool) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def swap_between_steps(engine_core: Any, method: str, arg: Any, version: int, ke
     between steps, so when no batch is in flight this is as atomic as pause + copy + resume, with one round
     trip through the API server's busy loop instead of four. Returns ``{"busy": True}`` (nothing done: the
     caller pauses instead) when a batch is in flight or the caches cannot be reset here; the workers'
-    ``{"problems": ...}`` when they refused (nothing copied); else ``{"resalted": n}``."""
+    ``{"problems": ...}`` when they refused (nothing copied); else ``set_weight_version``'s answer."""
     if compat.engine_has_batches_in_flight(engine_core) or (not keep_cache and not compat.can_reset_engine_caches(engine_core)):
         return {"busy": True}
     compat.synchronize_workers(engine_core)
@@ -82,7 +84,7 @@ def swap_between_steps(engine_core: Any, method: str, arg: Any, version: int, ke
         return refused
     if not keep_cache:  # "recompute": running requests are preempted and recompute on the new weights
         compat.reset_engine_caches(engine_core)
-    return {"resalted": set_weight_version(engine_core, version)}
+    return set_weight_version(engine_core, version)
 
 
 def install() -> None:

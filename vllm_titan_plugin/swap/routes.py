@@ -68,6 +68,8 @@ class PushResponse(BaseModel):
     bytes: int
     swap_seconds: float
     validate_seconds: float
+    # requests that held tokens of the old weights when the swap landed: their later tokens carry ``version``
+    in_flight: int
 
 
 class BatchInvariantResponse(BaseModel):
@@ -284,7 +286,7 @@ def make_router(state: SwapState) -> Any:
             t0 = time.perf_counter()
             num = await asyncio.to_thread(validate_payload, path, spec)
             validate_s = time.perf_counter() - t0
-            swap_s = await state.on_engine_loop(
+            swap_s, in_flight = await state.on_engine_loop(
                 _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep"), pause=pause))
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
@@ -298,16 +300,16 @@ def make_router(state: SwapState) -> Any:
         finally:
             if path is not None and os.path.exists(path):
                 os.unlink(path)
-        logger.info("titan weights v%d swapped in %.3f s (validated in %.3f s, %d tensors, %d bytes, mode=%s)",
-                    version, swap_s, validate_s, num, size, mode)
+        logger.info("titan weights v%d swapped in %.3f s (validated in %.3f s, %d tensors, %d bytes, mode=%s, "
+                    "%d requests in flight)", version, swap_s, validate_s, num, size, mode, in_flight)
         return PushResponse(version=version, boot_id=state.boot_id, num_tensors=num, bytes=size, swap_seconds=swap_s,
-                            validate_seconds=validate_s)
+                            validate_seconds=validate_s, in_flight=in_flight)
 
     return router
 
 
 async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
-                       pause: bool = False) -> float:
+                       pause: bool = False) -> tuple[float, int]:
     async with state.lock:
         if version <= state.version:
             raise PushRejected(409, f"version {version} is not greater than the current version {state.version}")
@@ -318,9 +320,10 @@ def _rejected(answer: dict[str, Any]) -> PushRejected:
     return PushRejected(int(answer.get("status", 422)), "; ".join(answer["problems"]), answer.get("tensors"))
 
 
-async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool, pause: bool = False) -> float:
+async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
+                pause: bool = False) -> tuple[float, int]:
     """Copy the weights with the worker loader ``method(arg)``, set the engine core's version; returns the
-    seconds it took. First as one engine-core utility between two steps (``engine.swap_between_steps``);
+    seconds it took and the requests in flight across it. First as one engine-core utility between two steps (``engine.swap_between_steps``);
     when the engine has a batch in flight (or ``pause``), the long way: pause, copy, set, resume. A worker
     answering ``{"problems": ...}`` copied nothing: the version stays and the push is rejected."""
     engine = state.engine
@@ -332,7 +335,7 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
             raise _rejected(answer)
         if not answer.get("busy"):
             state.version = version
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, int(answer.get("in_flight", 0))
     await compat.pause_generation(engine, keep_cache=keep_cache)
     try:
         if not state.engine_tags:
@@ -341,11 +344,11 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         if (refused := first_refusal(results)) is not None:
             raise _rejected(refused)
         # paused: the next step's outputs are the first of the new weights, and carry its number
-        await compat.call_engine_utility(engine, engine_side.UTILITY, version)
+        answer = await compat.call_engine_utility(engine, engine_side.UTILITY, version)
         state.version = version
     finally:
         await compat.resume_generation(engine)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, int(answer.get("in_flight", 0))
 
 
 async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, list[Any]], version: int,
@@ -365,7 +368,7 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
         return _error(400, f"invalid CUDA IPC manifest: {e}")
     try:
         check_spec(spec, got)
-        swap_s = await state.on_engine_loop(
+        swap_s, in_flight = await state.on_engine_loop(
             _locked_swap(state, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep"), pause=pause))
     except PushRejected as e:
         logger.warning("titan weight push v%d (cuda_ipc) rejected (%d): %s", version, e.status, e.message[:500])
@@ -374,4 +377,5 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
         logger.exception("titan weight push v%d (cuda_ipc) failed", version)
         return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
     logger.info("titan weights v%d swapped in %.3f s over CUDA IPC (%d tensors, mode=%s)", version, swap_s, len(got), mode)
-    return PushResponse(version=version, boot_id=state.boot_id, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s, validate_seconds=0.0)
+    return PushResponse(version=version, boot_id=state.boot_id, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s,
+                        validate_seconds=0.0, in_flight=in_flight)

@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_rl_ext.rl.rollout import Sample
+from titan_rl_ext.rl.samples import Sample
 
 __all__ = ["ManualClock", "Ticket", "BufferedGroup", "TakenBatch", "OffPolicyWindow", "AsyncRLLoop", "StepRecord"]
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from titan_rl_ext.rl.rollout import Generation, GenerationError, SamplingConfig
+from titan_rl_ext.rl.generator_client import GenerationError
+from titan_rl_ext.rl.samples import Generation, SamplingConfig
 from titan_rl_ext.rl.weight_sync import WeightPusher, WeightPushError
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from titan_rl_ext.rl.rollout import Sample
+from titan_rl_ext.rl.samples import Sample
 
 __all__ = [
     "LOGPROB_DIFF_ABS_MEAN", "LOGPROB_DIFF_MAX", "RATIO_TOKENS_DIFFERENT", "TOKENS_PER_SECOND_FULL_STEP",

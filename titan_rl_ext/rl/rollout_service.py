@@ -23,7 +23,8 @@ class RolloutService:
 
     def __init__(self, rl: RLConfig, fleet: Any, model_name: str, tokenizer: Any, initial_version: int,
                  cursor: PromptCursor) -> None:
-        from titan_rl_ext.rl.rollout import SamplingConfig, SingleTurnEnv
+        from titan_rl_ext.rl.envs import SingleTurnEnv
+        from titan_rl_ext.rl.samples import SamplingConfig
 
         self.rl = rl
         self.fleet = fleet  # rl.fleet.GeneratorFleet: who may produce samples
@@ -44,7 +45,7 @@ class RolloutService:
 
     async def _setup(self) -> None:
         from titan_rl_ext.rl.async_loop import OffPolicyWindow
-        from titan_rl_ext.rl.rollout import GeneratorClient
+        from titan_rl_ext.rl.generator_client import GeneratorClient
 
         # a stale group's prompt is done for good: the uninterrupted run would not retry it either
         self.window = OffPolicyWindow(self.rl.offpolicy, self.rl.prompts_per_step, initial_version=self.initial_version,
@@ -55,7 +56,8 @@ class RolloutService:
         self.producers = [asyncio.ensure_future(self._produce(i)) for i in range(max(1, self.rl.num_producers))]
 
     async def _produce(self, i: int) -> None:
-        from titan_rl_ext.rl.rollout import rollout_group, sample_seed
+        from titan_rl_ext.rl.rollout import rollout_group
+        from titan_rl_ext.rl.samples import sample_seed
 
         client = self.client
         G = self.rl.group_size
@@ -109,7 +111,8 @@ class RolloutService:
 
     def evaluate(self, items: list[Any], max_tokens: int) -> dict[str, float]:
         """Greedy completion of every item on the current generator weights; mean task reward."""
-        from titan_rl_ext.rl.rollout import SamplingConfig, rollout_group
+        from titan_rl_ext.rl.rollout import rollout_group
+        from titan_rl_ext.rl.samples import SamplingConfig
 
         greedy = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=max_tokens, extra=dict(self.sampling.extra))
 

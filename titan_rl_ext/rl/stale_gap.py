@@ -33,7 +33,7 @@ class StaleGap:
         from titan_rl_ext.models.hf import load_hf_model
         from titan_rl_ext.rl.logprobs import token_logprobs
         from titan_rl_ext.rl.metrics import gap_metrics
-        from titan_rl_ext.rl.rollout import pack_samples
+        from titan_rl_ext.rl.samples import pack_samples
 
         by_version: dict[int, list[Any]] = {}
         skipped = 0

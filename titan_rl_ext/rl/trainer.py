@@ -339,7 +339,7 @@ class RLTrainer(Trainer):
         forward would give the same bits)."""
         from titan_rl_ext.models.common.batch import SeqBatch
         from titan_rl_ext.rl.logprobs import token_logprobs
-        from titan_rl_ext.rl.rollout import pack_samples
+        from titan_rl_ext.rl.samples import pack_samples
 
         packed = pack_samples(mine, device=self.device)
         seqs = SeqBatch.from_lengths(packed.lengths, device=self.device)

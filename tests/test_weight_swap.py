@@ -8,11 +8,11 @@ share it, so each one reads the current weight version and checksums instead of 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -291,36 +291,52 @@ def test_good_push_swaps_bit_exact(server: Server) -> None:
 
 # -- swaps under a streaming request -----------------------------------------------------------------------
 def _stream_across_push(server: Server, mode: str,
-                        max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int, dict[str, Any]]:
-    import requests
+                        max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int, dict[str, Any], float]:
+    """Stream one completion and push the next version as soon as its first chunk arrives; returns the
+    chunks, the old version, the push's answer and the seconds from sending the push to its answer.
+
+    The stream and the push share one event loop. With the stream read in a thread, the pushing thread
+    was starved of the GIL for the whole stream on a loaded 2-core machine (the reader drops and retakes
+    the GIL at every socket read, and the waiter loses every race), so the push landed after the stream.
+    """
+    import httpx
+
+    from titan_rl_ext.rl.sse import DONE, parse_sse_line, sse_lines
 
     old = _version(server)
-    chunks: list[dict[str, Any]] = []
-    errors: list[BaseException] = []
+    payload = serialize(server.reference)
+    target = server.pusher.push_url(server.base)  # the weights listener, as WeightPusher sends
+    body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
-    def consume() -> None:
-        body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            with requests.post(f"{server.base}/v1/completions", json=body, stream=True, timeout=300) as r:
-                assert r.status_code == 200, r.text
-                for line in r.iter_lines():
-                    if line.startswith(b"data: {"):
-                        chunks.append(json.loads(line[len(b"data: "):]))
-        except BaseException as e:  # noqa: BLE001 - surfaced by the caller
-            errors.append(e)
+    async def run() -> tuple[list[dict[str, Any]], Any, float]:
+        chunks: list[dict[str, Any]] = []
+        push: asyncio.Task[tuple[Any, float]] | None = None
 
-    th = threading.Thread(target=consume)
-    th.start()
-    deadline = time.time() + 120
-    while not chunks and th.is_alive():  # push as soon as the request is streaming
-        assert time.time() < deadline, "stream did not start"
-        time.sleep(0.001)
-    assert not errors, errors
-    (res,) = server.pusher.push(server.reference, old + 1, mode=mode)
-    th.join(timeout=300)
-    assert not errors, errors
-    return chunks, old, res
+        async def send(client: httpx.AsyncClient) -> tuple[Any, float]:
+            t0 = time.perf_counter()
+            r = await client.post(f"{target}{ROUTE}", params={"version": str(old + 1), "mode": mode},
+                                  content=payload, headers={**_auth(), "Content-Type": "application/octet-stream"})
+            return r, time.perf_counter() - t0
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            async with client.stream("POST", f"{server.base}/v1/completions", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in sse_lines(r.aiter_bytes()):
+                    item = parse_sse_line(line)
+                    if item is DONE:
+                        break
+                    if isinstance(item, dict):
+                        chunks.append(item)
+                        if push is None:
+                            push = asyncio.create_task(send(client))
+            assert push is not None, "the stream sent no chunk"
+            res, push_s = await push
+        assert res.status_code == 200, res.text
+        return chunks, res.json(), push_s
+
+    chunks, res, push_s = asyncio.run(run())
+    return chunks, old, res, push_s
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
@@ -329,16 +345,18 @@ def test_swap_during_streaming_request(server: Server, mode: str) -> None:
     # buffers the stream ahead of a slow client); then the request did not straddle a swap and the
     # attempt says nothing, so try again with the next version. The properties are checked on a
     # request that did straddle one.
+    tries: list[str] = []
     for _ in range(4):
-        chunks, old, res = _stream_across_push(server, mode)
-        versions = [c["titan_weight_version"] for c in chunks]
+        chunks, old, res, push_s = _stream_across_push(server, mode)
+        versions = [c["titan_weight_version"] for c in chunks if c.get("choices")]  # not the usage chunk
         # the server's own count says whether the request was in flight when the swap landed
         assert bool(res["in_flight"]) == (bool(versions) and versions[0] == old and versions[-1] == old + 1), (
             res["in_flight"], versions[:1], versions[-1:])
         if res["in_flight"]:
             break
+        tries.append(f"push answered {push_s:.2f} s after the first chunk, {len(chunks)} chunks, all v{versions[-1]}")
     assert all(a <= b for a, b in zip(versions, versions[1:])), versions
-    assert versions[0] == old and versions[-1] == old + 1, (versions[0], versions[-1])
+    assert versions[0] == old and versions[-1] == old + 1, (versions[0], versions[-1], tries)
     assert res["in_flight"] == 1
     usage = [c["usage"] for c in chunks if c.get("usage")]
     assert usage and usage[-1]["completion_tokens"] == STREAM_TOKENS  # the request completed

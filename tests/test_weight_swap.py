@@ -290,14 +290,15 @@ def test_good_push_swaps_bit_exact(server: Server) -> None:
 
 
 # -- swaps under a streaming request -----------------------------------------------------------------------
-def _stream_across_push(server: Server, mode: str,
-                        max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int, dict[str, Any], float]:
-    """Stream one completion and push the next version as soon as its first chunk arrives; returns the
-    chunks, the old version, the push's answer and the seconds from sending the push to its answer.
+def _stream_across_push(server: Server, mode: str, delay_s: float,
+                        max_tokens: int = STREAM_TOKENS) -> tuple[list[dict[str, Any]], int, dict[str, Any]]:
+    """Stream one completion and push the next version ``delay_s`` after sending the request; returns the
+    chunks, the old version and the push's answer.
 
-    The stream and the push share one event loop. With the stream read in a thread, the pushing thread
+    The stream and the push share one event loop: with the stream read in a thread, the pushing thread
     was starved of the GIL for the whole stream on a loaded 2-core machine (the reader drops and retakes
-    the GIL at every socket read, and the waiter loses every race), so the push landed after the stream.
+    the GIL at every socket read). The push does not wait for the first chunk either: on a loaded machine
+    the engine can finish the request before the API server has sent the client its first chunk.
     """
     import httpx
 
@@ -309,52 +310,50 @@ def _stream_across_push(server: Server, mode: str,
     body = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
-    async def run() -> tuple[list[dict[str, Any]], Any, float]:
+    async def read(client: httpx.AsyncClient) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
-        push: asyncio.Task[tuple[Any, float]] | None = None
+        async with client.stream("POST", f"{server.base}/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in sse_lines(r.aiter_bytes()):
+                item = parse_sse_line(line)
+                if item is DONE:
+                    break
+                if isinstance(item, dict):
+                    chunks.append(item)
+        return chunks
 
-        async def send(client: httpx.AsyncClient) -> tuple[Any, float]:
-            t0 = time.perf_counter()
-            r = await client.post(f"{target}{ROUTE}", params={"version": str(old + 1), "mode": mode},
-                                  content=payload, headers={**_auth(), "Content-Type": "application/octet-stream"})
-            return r, time.perf_counter() - t0
-
+    async def run() -> tuple[list[dict[str, Any]], Any]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-            async with client.stream("POST", f"{server.base}/v1/completions", json=body) as r:
-                assert r.status_code == 200, await r.aread()
-                async for line in sse_lines(r.aiter_bytes()):
-                    item = parse_sse_line(line)
-                    if item is DONE:
-                        break
-                    if isinstance(item, dict):
-                        chunks.append(item)
-                        if push is None:
-                            push = asyncio.create_task(send(client))
-            assert push is not None, "the stream sent no chunk"
-            res, push_s = await push
-        assert res.status_code == 200, res.text
-        return chunks, res.json(), push_s
+            reader = asyncio.create_task(read(client))
+            await asyncio.sleep(delay_s)
+            res = await client.post(f"{target}{ROUTE}", params={"version": str(old + 1), "mode": mode},
+                                    content=payload, headers={**_auth(), "Content-Type": "application/octet-stream"})
+            return await reader, res
 
-    chunks, res, push_s = asyncio.run(run())
-    return chunks, old, res, push_s
+    chunks, res = asyncio.run(run())
+    assert res.status_code == 200, res.text
+    return chunks, old, res.json()
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
 def test_swap_during_streaming_request(server: Server, mode: str) -> None:
-    # On a fast machine the engine can finish the whole request before the push lands (the server
-    # buffers the stream ahead of a slow client); then the request did not straddle a swap and the
-    # attempt says nothing, so try again with the next version. The properties are checked on a
-    # request that did straddle one.
+    # The push can land before the request reaches the engine, or after the engine has finished it (on a
+    # loaded machine the engine runs ahead of the API server); then the request straddles no swap and
+    # the attempt says nothing beyond the in-flight count, so try again with the next version, pushing
+    # later or earlier. The properties are checked on a request that did straddle one.
     tries: list[str] = []
-    for _ in range(4):
-        chunks, old, res, push_s = _stream_across_push(server, mode)
+    delay = 0.2
+    for _ in range(6):
+        chunks, old, res = _stream_across_push(server, mode, delay)
         versions = [c["titan_weight_version"] for c in chunks if c.get("choices")]  # not the usage chunk
         # the server's own count says whether the request was in flight when the swap landed
         assert bool(res["in_flight"]) == (bool(versions) and versions[0] == old and versions[-1] == old + 1), (
             res["in_flight"], versions[:1], versions[-1:])
         if res["in_flight"]:
             break
-        tries.append(f"push answered {push_s:.2f} s after the first chunk, {len(chunks)} chunks, all v{versions[-1]}")
+        tries.append(f"pushed {delay:.2f} s after the request: {len(chunks)} chunks, all v{versions[-1]} (v{old} old)")
+        # every token new: the push beat the request to the engine; every token old: the request had ended
+        delay = delay * 4 if versions[-1] == old + 1 else delay / 4
     assert all(a <= b for a, b in zip(versions, versions[1:])), versions
     assert versions[0] == old and versions[-1] == old + 1, (versions[0], versions[-1], tries)
     assert res["in_flight"] == 1

@@ -38,6 +38,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TOKEN = "titan-push-latency-bench"
+# a push's time, in order: before the route starts (connect, send, the listener's or the OpenAI loop's turn),
+# reading the body, validating it, waiting for the engine's event loop, the swap, the answer's way back
+PHASES = ("queue_s", "receive_s", "validate_s", "hop_s", "swap_s", "reply_s")
 
 
 def _load(base: str, model: str, streams: int, stop: Any, started: Any, tokens: Any) -> None:
@@ -124,13 +127,18 @@ def main() -> None:
             version += 1
             sd = {k: v * (1 + 1e-3 * (version % 7)) if v.is_floating_point() else v for k, v in ref.items()}
             payload = serialize(sd)
-            t0 = time.perf_counter()
+            wall0, t0 = time.time(), time.perf_counter()
             got = paths[path].push_payload(payload, version, "keep")
             dt = time.perf_counter() - t0
-            assert got[0]["version"] == version, got
-            p = parts.setdefault(label, {}).setdefault(path, {"validate_s": [], "swap_s": []})
-            p["validate_s"].append(got[0]["validate_seconds"])
-            p["swap_s"].append(got[0]["swap_seconds"])
+            r = got[0]
+            assert r["version"] == version, got
+            p = parts.setdefault(label, {}).setdefault(path, {k: [] for k in PHASES})
+            # same host: the server's wall clock at the route's start tells the queueing before it
+            phase = {"queue_s": r["entered_unix"] - wall0, "receive_s": r["receive_seconds"],
+                     "validate_s": r["validate_seconds"], "hop_s": r["hop_seconds"], "swap_s": r["swap_seconds"]}
+            phase["reply_s"] = dt - sum(phase.values())
+            for k, v in phase.items():
+                p[k].append(v)
             return dt
 
         def measure(label: str) -> None:
@@ -139,8 +147,7 @@ def main() -> None:
                 for p in (list(paths) if i % 2 == 0 else list(paths)[::-1]):  # interleaved, order alternating
                     lat[p].append(push(p, label))
                     time.sleep(0.2)
-            results[label] = {p: {**_summary(x), "validate_p50_s": statistics.median(parts[label][p]["validate_s"]),
-                                  "swap_p50_s": statistics.median(parts[label][p]["swap_s"]),
+            results[label] = {p: {**_summary(x), **{f"{k[:-2]}_p50_s": statistics.median(parts[label][p][k]) for k in PHASES},
                                   "swap_max_s": max(parts[label][p]["swap_s"])} for p, x in lat.items()}
 
         for p in paths:  # warm every path
@@ -170,9 +177,9 @@ def main() -> None:
     for label in ("unloaded", "loaded"):
         for p in paths:
             r = results[label][p]
-            print(f"{label:9s} {p:19s} p50 {r['p50_s'] * 1e3:7.1f} ms  p99 {r['p99_s'] * 1e3:7.1f} ms  "
-                  f"(validate p50 {r['validate_p50_s'] * 1e3:6.1f} ms, swap p50 {r['swap_p50_s'] * 1e3:6.1f} ms, "
-                  f"max {r['swap_max_s'] * 1e3:6.1f} ms; n={r['n']})")
+            print(f"{label:9s} {p:19s} p50 {r['p50_s'] * 1e3:7.1f} ms  p99 {r['p99_s'] * 1e3:7.1f} ms  (p50 of each "
+                  "phase, ms: " + ", ".join(f"{k[:-2]} {r[k[:-2] + '_p50_s'] * 1e3:.1f}" for k in PHASES)
+                  + f"; swap max {r['swap_max_s'] * 1e3:.1f}; n={r['n']})")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 

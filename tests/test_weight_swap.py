@@ -272,10 +272,14 @@ def test_good_push_swaps_bit_exact(server: Server) -> None:
     before = _greedy(server, prompts)
 
     v = _version(server) + 1
-    t0 = time.perf_counter()
+    wall0, t0 = time.time(), time.perf_counter()
     (res,) = server.pusher.push(new, v)
     client_s = time.perf_counter() - t0
     assert res["version"] == v and res["num_tensors"] == len(new)
+    # the phases the answer reports happened inside the client's round trip, on the same host's clock
+    assert wall0 <= res["entered_unix"] <= wall0 + client_s, (wall0, res["entered_unix"], client_s)
+    phases = [res[k] for k in ("receive_seconds", "validate_seconds", "hop_seconds", "swap_seconds")]
+    assert all(x >= 0 for x in phases) and sum(phases) <= client_s, (phases, client_s)
     assert res["in_flight"] == 0  # no request was running: the swap straddles none
     assert _version(server) == v
     assert server.pusher.checksums() == checksum(new)  # bit for bit

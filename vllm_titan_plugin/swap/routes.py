@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -70,6 +71,11 @@ class PushResponse(BaseModel):
     validate_seconds: float
     # requests that held tokens of the old weights when the swap landed: their later tokens carry ``version``
     in_flight: int
+    # where a push's time goes: the server's wall clock when the route started (a pusher on the same host
+    # gets the queueing before it), reading the body, and waiting for the engine's event loop
+    entered_unix: float
+    receive_seconds: float
+    hop_seconds: float
 
 
 class BatchInvariantResponse(BaseModel):
@@ -244,6 +250,7 @@ def make_router(state: SwapState) -> Any:
 
     @router.post(WEIGHTS_ROUTE, response_model=PushResponse)
     async def push_weights(request: Request) -> Any:
+        entered = time.time()
         if (err := state.auth_error(request.headers.get("authorization"))) is not None:
             return _error(*err)
         q = request.query_params
@@ -273,20 +280,22 @@ def make_router(state: SwapState) -> Any:
         except PushRejected as e:
             return _error(e.status, e.message)
         if transport == "cuda_ipc":
-            return await _push_cuda_ipc(state, request, spec, version, mode, pause)
+            return await _push_cuda_ipc(state, request, spec, version, mode, pause, entered)
         limit = max_bytes(spec)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return _error(413, f"payload of {declared} bytes exceeds {limit} bytes (2x the model's size + 1 MiB)")
         path = None
         try:
+            t0 = time.perf_counter()
             path, size = await _receive_to_file(request, limit)
+            receive_s = time.perf_counter() - t0
             if version <= state.version:  # a concurrent push got there first (checked again under the lock)
                 return _stale(version, state.version)
             t0 = time.perf_counter()
             num = await asyncio.to_thread(validate_payload, path, spec)
             validate_s = time.perf_counter() - t0
-            swap_s, in_flight = await state.on_engine_loop(
+            done = await state.on_engine_loop(
                 _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep"), pause=pause))
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
@@ -301,19 +310,30 @@ def make_router(state: SwapState) -> Any:
             if path is not None and os.path.exists(path):
                 os.unlink(path)
         logger.info("titan weights v%d swapped in %.3f s (validated in %.3f s, %d tensors, %d bytes, mode=%s, "
-                    "%d requests in flight)", version, swap_s, validate_s, num, size, mode, in_flight)
-        return PushResponse(version=version, boot_id=state.boot_id, num_tensors=num, bytes=size, swap_seconds=swap_s,
-                            validate_seconds=validate_s, in_flight=in_flight)
+                    "%d requests in flight)", version, done.seconds, validate_s, num, size, mode, done.in_flight)
+        return PushResponse(version=version, boot_id=state.boot_id, num_tensors=num, bytes=size,
+                            swap_seconds=done.seconds, validate_seconds=validate_s, in_flight=done.in_flight,
+                            entered_unix=entered, receive_seconds=receive_s,
+                            hop_seconds=done.started - t0 - validate_s)
 
     return router
 
 
+@dataclass(frozen=True)
+class SwapDone:
+    started: float  # perf_counter when the swap began on the engine's loop (before the lock)
+    seconds: float  # from the first engine call to the new version being live
+    in_flight: int  # requests holding tokens of the old weights
+
+
 async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
-                       pause: bool = False) -> tuple[float, int]:
+                       pause: bool = False) -> SwapDone:
+    started = time.perf_counter()
     async with state.lock:
         if version <= state.version:
             raise PushRejected(409, f"version {version} is not greater than the current version {state.version}")
-        return await _swap(state, method, arg, version, keep_cache, pause)
+        seconds, in_flight = await _swap(state, method, arg, version, keep_cache, pause)
+        return SwapDone(started, seconds, in_flight)
 
 
 def _rejected(answer: dict[str, Any]) -> PushRejected:
@@ -352,8 +372,9 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
 
 
 async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, list[Any]], version: int,
-                         mode: str, pause: bool) -> Any:
+                         mode: str, pause: bool, entered: float) -> Any:
     """``transport=cuda_ipc``: a JSON manifest of CUDA IPC handles (``titan_rl_ext.wire.cuda_ipc``)."""
+    t0 = time.perf_counter()
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -368,7 +389,8 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
         return _error(400, f"invalid CUDA IPC manifest: {e}")
     try:
         check_spec(spec, got)
-        swap_s, in_flight = await state.on_engine_loop(
+        received = time.perf_counter()
+        done = await state.on_engine_loop(
             _locked_swap(state, "titan_load_weights_ipc", manifest, version, keep_cache=(mode == "keep"), pause=pause))
     except PushRejected as e:
         logger.warning("titan weight push v%d (cuda_ipc) rejected (%d): %s", version, e.status, e.message[:500])
@@ -376,6 +398,8 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
     except Exception as e:  # the workers check everything before the first copy
         logger.exception("titan weight push v%d (cuda_ipc) failed", version)
         return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
-    logger.info("titan weights v%d swapped in %.3f s over CUDA IPC (%d tensors, mode=%s)", version, swap_s, len(got), mode)
-    return PushResponse(version=version, boot_id=state.boot_id, num_tensors=len(got), bytes=len(body), swap_seconds=swap_s,
-                        validate_seconds=0.0, in_flight=in_flight)
+    logger.info("titan weights v%d swapped in %.3f s over CUDA IPC (%d tensors, mode=%s)", version, done.seconds,
+                len(got), mode)
+    return PushResponse(version=version, boot_id=state.boot_id, num_tensors=len(got), bytes=len(body),
+                        swap_seconds=done.seconds, validate_seconds=0.0, in_flight=done.in_flight,
+                        entered_unix=entered, receive_seconds=received - t0, hop_seconds=done.started - received)

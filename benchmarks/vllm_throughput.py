@@ -1,14 +1,16 @@
 """Decode and prefill throughput of ``--model-impl titan`` vs vLLM's native implementation, same checkpoint.
 
-    python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native,titan,titan_bi]
-        [--batch-sizes 1,32,256] [--decode-tokens 128] [--out results.json]
+    python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native_graphs,titan,titan_bi]
+        [--batch-sizes 1,32,256] [--decode-tokens 128] [--out results.json] [--merge earlier.json]
+        [--serving-json benchmarks/results/serving.json]
 
 Each configuration runs in its own process (a fresh engine, the same GPU, one after the other):
 
-- ``native``    vLLM's own model class, eager (``enforce_eager=True``), BI off
-- ``titan``     ``--model-impl titan``, eager, BI off
-- ``titan_bi``  ``--model-impl titan``, eager, batch invariant (``TITAN_BATCH_INVARIANT=1``)
-- ``native_graphs`` vLLM's own class with its default compilation + CUDA graphs (optional)
+- ``native_graphs`` vLLM's own model class in its default configuration (torch.compile + CUDA graphs)
+- ``native``        vLLM's own model class, eager (``enforce_eager=True``)
+- ``titan``         ``--model-impl titan`` as shipped (full decode CUDA graphs on GPU), BI off
+- ``titan_bi``      the same, batch invariant (``TITAN_BATCH_INVARIANT=1``)
+- ``titan_eager`` / ``titan_bi_eager``  ``--model-impl titan`` with ``enforce_eager=True``
 
 Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
 detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included and negligible).
@@ -29,13 +31,14 @@ import sys
 import time
 from typing import Any
 
-CONFIGS = ("native", "titan", "titan_bi", "native_graphs")
+CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager")
+EAGER = ("native", "titan_eager", "titan_bi_eager")
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = args.worker
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg == "titan_bi" else "0"
+    os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg.startswith("titan_bi") else "0"
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -47,11 +50,12 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     # the Triton GDN prefill (vLLM's default on Hopper is FlashInfer's, compiled on first use with nvcc)
     extra = {"gdn_prefill_backend": "triton", "mm_encoder_attn_backend": "TORCH_SDPA"} if native else {}
     llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16", language_model_only=True,
-              **extra, attention_backend=args.attention_backend, enforce_eager=cfg != "native_graphs",
+              **extra, attention_backend=args.attention_backend, enforce_eager=cfg in EAGER,
               gpu_memory_utilization=args.gpu_mem, max_model_len=4096, max_num_seqs=max(args.batch_sizes),
               enable_prefix_caching=False, seed=0)
     init_s = time.perf_counter() - t0
     served = llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]
+    graph_mode = llm.collective_rpc(lambda w: w.model_runner.cudagraph_dispatcher.cudagraph_mode.name)[0]
     if native == served.startswith("Titan"):
         raise RuntimeError(f"config {cfg} is served by {served}")
     g = torch.Generator().manual_seed(0)
@@ -72,7 +76,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o in outs)
         return statistics.median(times)
 
-    res: dict[str, Any] = {"config": cfg, "served_class": served, "init_s": init_s, "decode": {}, "prefill": {}}
+    res: dict[str, Any] = {"config": cfg, "served_class": served, "cudagraph_mode": graph_mode, "init_s": init_s,
+                           "decode": {}, "prefill": {}}
     for b in args.batch_sizes:
         sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
         t = timed(prompts(b, 32), sp)
@@ -89,7 +94,8 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     cfgs = [c for c in CONFIGS if c in results and "error" not in results[c]]
     keys = [("decode", k) for k in next(iter(results[c] for c in cfgs))["decode"]] + [("prefill", k) for k in next(iter(results[c] for c in cfgs))["prefill"]] if cfgs else []
     head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
-    ratios = [(a, b) for a, b in (("titan", "native"), ("titan_bi", "titan"), ("titan", "native_graphs")) if a in cfgs and b in cfgs]
+    ratios = [(a, b) for a, b in (("titan", "native_graphs"), ("titan_bi", "titan"), ("titan_bi", "native_graphs"),
+                                  ("titan", "titan_eager"), ("titan", "native")) if a in cfgs and b in cfgs]
     head += "".join(f"{a + '/' + b:>22}" for a, b in ratios)
     lines.append(head)
     for kind, k in keys:
@@ -100,11 +106,39 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
+    """The issue's format: one row per workload, native in its default configuration, titan as shipped."""
+    import importlib.metadata
+    import subprocess as sp
+
+    need = ("native_graphs", "titan", "titan_bi")
+    if any(c not in results or "error" in results[c] for c in need):
+        print(f"serving.json not written: needs {need} to have run")
+        return
+    git = sp.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    rows = []
+    for kind in ("decode", "prefill"):
+        for k in results["titan"][kind]:
+            rows.append({"workload": kind, "B": int(k) if kind == "decode" else int(k.split("x")[0]),
+                         **({"prompt_len": int(k.split("x")[1])} if kind == "prefill" else {}),
+                         "native_tok_s": results["native_graphs"][kind][k], "titan_tok_s": results["titan"][kind][k],
+                         "titan_bi_tok_s": results["titan_bi"][kind][k],
+                         "graphs": results["titan"]["cudagraph_mode"] != "NONE"})
+    env = {"git": git.stdout.strip() or os.environ.get("TITAN_GIT", ""), "gpu": results["titan"].get("gpu"),
+           "vllm": importlib.metadata.version("vllm"),
+           "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
+           "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}
+                      for c in results if c not in need and "error" not in results[c]}}
+    with open(path, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--native-dir", default="")
-    ap.add_argument("--configs", default="native,titan,titan_bi")
+    ap.add_argument("--configs", default="native_graphs,titan,titan_bi")
     ap.add_argument("--batch-sizes", default="1,32,256", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -114,12 +148,17 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="")
+    ap.add_argument("--merge", default="", help="results JSON of an earlier run on the same machine: its configs join the table")
+    ap.add_argument("--serving-json", default="", help="write the rows of native_graphs / titan / titan_bi in serving.json form")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(_worker(args)), flush=True)
         return 0
     results: dict[str, dict[str, Any]] = {}
+    if args.merge:
+        with open(args.merge) as f:
+            results.update({k: v for k, v in json.load(f).items() if k in CONFIGS})
     for cfg in args.configs.split(","):
         cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
@@ -139,6 +178,8 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     print(_table(results) if any("error" not in r for r in results.values()) else "no configuration ran")
+    if args.serving_json:
+        _write_serving_json(results, args.serving_json)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

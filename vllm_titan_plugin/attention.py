@@ -79,7 +79,10 @@ class VllmAttentionKernel(nn.Module):
         k_cache, v_cache = compat.paged_kv_views(self.attn, self.head_dim)  # [NB, bs, K, D]
         block_size = k_cache.shape[1]
         n = md.num_actual_tokens
-        slots = md.slot_mapping[:n].long()
+        # Padded tokens (CUDA graph batches) have slot -1, which vLLM's own cache writers skip; an index
+        # of -1 would land in the last block, so they go to slot 0 of block 0, vLLM's null block, which
+        # no request reads. A where, not a mask: no data-dependent shape, no host sync.
+        slots = md.slot_mapping[:n].long().clamp_min(0)
         blk, off = slots // block_size, slots % block_size
         k_cache[blk, off] = k_TKH[:n].to(k_cache.dtype)
         v_cache[blk, off] = v_TKH[:n].to(v_cache.dtype)

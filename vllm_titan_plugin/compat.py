@@ -338,3 +338,24 @@ def wrap_output_processor_add_request(on_add: Callable[[Any, Any, int], None], m
 def weight_version_spans(request_state: Any) -> tuple[list[tuple[str, int]], int]:
     """(version, first output-token index) of each span the engine reported, and the output tokens so far."""
     return list(request_state.weight_version_starts), request_state.detokenizer.num_output_tokens()
+
+
+def wrap_config_update(hook: Callable[[Any], None], mark: str) -> None:
+    """Call ``hook(vllm_config)`` first thing in ``VllmConfig.try_verify_and_update_config``: the first step
+    of its ``__post_init__`` (config/vllm.py), before vLLM fills compilation and CUDA graph defaults, so
+    fields the user left unset still read None there."""
+    import functools
+
+    from vllm.config import VllmConfig
+
+    orig = VllmConfig.try_verify_and_update_config
+    if getattr(orig, mark, False):
+        return
+
+    @functools.wraps(orig)
+    def try_verify_and_update_config(self: Any) -> None:
+        hook(self)
+        orig(self)
+
+    setattr(try_verify_and_update_config, mark, True)
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config  # type: ignore[method-assign]

@@ -76,7 +76,15 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
             raise NotImplementedError("--model-impl titan does not support speculative decoding")
 
         T = md.num_actual_tokens  # x_TD may carry padding after the real tokens
-        cu_seqlens = md.non_spec_query_start_loc
+        if md.num_prefills == 0 and md.non_spec_state_indices_tensor.shape[0] == T:
+            # Decode-only step (what a full CUDA graph captures): one token per request, bounds by arange,
+            # not from the metadata. Under graph padding vLLM gives the padded requests zero tokens and
+            # state slot 0 (its null block); here each padded request takes one padded token instead, so
+            # every token belongs to a sequence (nothing reads uninitialised rows) and the garbage lands in
+            # slot 0, which no request owns. Real requests compute exactly what the metadata bounds give.
+            cu_seqlens = torch.arange(T + 1, dtype=torch.int32, device=x_TD.device)
+        else:
+            cu_seqlens = md.non_spec_query_start_loc
         n_seqs = cu_seqlens.numel() - 1
         slots = md.non_spec_state_indices_tensor[:n_seqs].long()
         conv_cache, ssm_cache = compat.mamba_state_tensors(self)

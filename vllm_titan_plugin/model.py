@@ -107,9 +107,10 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
             positions = positions[0]
         T = input_ids.shape[0]
         # vLLM's kernels read their own per-layer metadata for sequence bounds; the titan batch only
-        # carries the positions (rotary). cu_seqlens spans the whole step as one placeholder sequence.
+        # carries the positions (rotary). cu_seqlens spans the whole step as one placeholder sequence,
+        # made on the device ([0, T] by arange, not from a host list: no copy inside a CUDA graph).
         batch = SeqBatch(
-            cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=input_ids.device),
+            cu_seqlens=torch.arange(2, dtype=torch.int32, device=input_ids.device) * T,
             positions=positions,
             max_seqlen=T,
         )

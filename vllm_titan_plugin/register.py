@@ -6,7 +6,8 @@ serves its native class. So the plugin intercepts class resolution (``inspect_mo
 architectures resolve to the titan model classes and every other architecture fails with an error
 naming the supported ones. The original architecture name is what vLLM keeps seeing, so its
 per-architecture config hooks (e.g. Qwen3.5's ``mamba_ssm_dtype`` -> ``mamba_ssm_cache_dtype``) still
-apply. Any other ``model_impl`` goes straight to vLLM's own resolution, unchanged.
+apply. Any other ``model_impl`` goes straight to vLLM's own resolution, unchanged. The compilation and
+CUDA graph modes of a titan engine are set in ``graphs.configure``, hooked into vLLM's config checks.
 """
 
 from __future__ import annotations
@@ -60,14 +61,6 @@ def _wants_titan(model_config: Any) -> bool:
     return getattr(model_config, "model_impl", None) == TITAN_MODEL_IMPL
 
 
-def _prepare_config(model_config: Any) -> None:
-    # The titan layers compute sequence bounds on the host (data-dependent shapes), which CUDA graph
-    # capture cannot record: run eager. vLLM reads this flag after class resolution.
-    if not getattr(model_config, "enforce_eager", True):
-        logger.info("--model-impl titan: enabling enforce_eager (the titan layers run without CUDA graphs)")
-        model_config.enforce_eager = True
-
-
 def _route_inspect(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def inspect_model_cls(self: Any, architectures: str | list[str], model_config: Any) -> Any:
@@ -76,7 +69,6 @@ def _route_inspect(orig: Callable[..., Any]) -> Callable[..., Any]:
         from vllm_titan_plugin import compat
 
         cls, arch = titan_model_class(architectures, model_config)
-        _prepare_config(model_config)
         return compat.model_info(cls), arch
 
     setattr(inspect_model_cls, _MARK, True)
@@ -102,6 +94,10 @@ def register() -> None:
     # Weight push routes (API server) and worker methods; off unless TITAN_SWAP_TOKEN is set. Idempotent.
     swap.install()
 
+    from vllm_titan_plugin import graphs
+    from vllm_titan_plugin.compat import wrap_config_update
+
+    wrap_config_update(graphs.configure, _MARK)  # CUDA graph mode of titan engines; idempotent
     if getattr(R.resolve_model_cls, _MARK, False):
         return
     R.inspect_model_cls = _route_inspect(R.inspect_model_cls)  # type: ignore[method-assign]

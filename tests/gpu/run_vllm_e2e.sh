@@ -4,9 +4,12 @@
 # Qwen3.5-35B-A3B layer shapes (4 layers: 3 GDN + 1 gated attention; real vocabulary; random bf16 weights).
 #   bash tests/gpu/run_vllm_e2e.sh setup    # install the package + FLA, build the checkpoints on the GPU (SKIP_MOE / SKIP_VLM=1: fewer)
 #   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off (PARITY_BI_ONLY=1: on), prefix caching + split prefills, both shapes
+#                                           # (the engine as shipped: full decode CUDA graphs; PARITY_EAGER=1: --enforce-eager)
+#   bash tests/gpu/run_vllm_e2e.sh graphs   # tests/gpu/vllm_graphs.py: BI bits under every capture size = eager
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
-#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py titan vs native (BI off, eager)
-#   bash tests/gpu/run_vllm_e2e.sh bench_bi # the same, titan with BI on vs off
+#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: titan, titan BI (graphs) and titan eager
+#   bash tests/gpu/run_vllm_e2e.sh bench_native  # then native's default (compile + graphs) joins that table -> serving.json
+#   bash tests/gpu/run_vllm_e2e.sh bench_bi # titan with BI on vs off at a smaller prefill
 # Results (logs, JSON) go to $OUT (default /tmp/e2e-gpu).
 set -uo pipefail
 out=${OUT:-/tmp/e2e-gpu}
@@ -33,8 +36,9 @@ fi
 parity() {  # name, args...
     local name=$1; shift
     local t=$(date +%s)
-    timeout 300 python3 -m titan_rl_ext.tools.parity --attention-backend TRITON_ATTN --dtype bfloat16 "$@" > "$out/$name.log" 2>&1
-    echo "$name rc=$? $(( $(date +%s) - t ))s $(grep -E '^(prompts|logprob_diff|doctor)' "$out/$name.log" | tr '\n' ' ')"
+    timeout 300 python3 -m titan_rl_ext.tools.parity --attention-backend TRITON_ATTN --dtype bfloat16 \
+        ${PARITY_EAGER:+--enforce-eager} "$@" > "$out/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t ))s $(grep -E '^(engine|prompts|logprob_diff|doctor)' "$out/$name.log" | tr '\n' ' ')"
     grep -E "Error|error" "$out/$name.log" | grep -v "^WARNING" | tail -3
 }
 if [[ $what == parity || $what == all ]]; then
@@ -50,9 +54,22 @@ if [[ $what == ipc || $what == all ]]; then
     timeout 200 python3 -m pytest -q tests/gpu/test_cuda_ipc.py 2>&1 | tail -3
 fi
 
+if [[ $what == graphs || $what == all ]]; then
+    timeout 560 python3 tests/gpu/vllm_graphs.py --model-dir $ck/dense --out "$out/graphs.json" 2>&1 | tee "$out/graphs.log" | tail -12
+fi
+
+# One table in two driver runs on the same machine (a cold machine spends minutes compiling and autotuning
+# vLLM's native class, more than one command's limit leaves beside the titan engines).
 if [[ $what == bench || $what == all ]]; then
     timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${BENCH_CONFIGS:-native,titan} --out "$out/throughput.json" --timeout 200 2>&1 | tee "$out/throughput.log" | tail -8
+        --configs ${BENCH_CONFIGS:-titan,titan_bi,titan_eager} --decode-tokens 64 --reps 2 \
+        --out "$out/throughput_titan.json" --timeout 240 2>&1 | tee "$out/throughput_titan.log" | tail -8
+    cp "$out/throughput_titan.json" /tmp/throughput_titan.json 2>/dev/null
+fi
+if [[ $what == bench_native || $what == all ]]; then
+    timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
+        --configs native_graphs --decode-tokens 64 --reps 2 --merge /tmp/throughput_titan.json \
+        --out "$out/throughput.json" --serving-json "$out/serving.json" --timeout 560 2>&1 | tee "$out/throughput.log" | tail -10
 fi
 if [[ $what == bench_bi || $what == all ]]; then
     # BI's cost in the generator (smaller prefill: BI attention runs one sequence at a time)

@@ -53,7 +53,7 @@ def engine_model(worker: object) -> torch.nn.Module:
 
 
 def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, attention_backend: str | None = None,
-                 max_num_batched_tokens: int = 64, spec: str | None = None) -> object:
+                 max_num_batched_tokens: int = 64, spec: str | None = None, enforce_eager: bool = False) -> object:
     from vllm import LLM
 
     extra: dict[str, object] = {"attention_backend": attention_backend} if attention_backend else {}
@@ -63,7 +63,7 @@ def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, at
         extra["hf_overrides"] = {SPEC_KEY: spec}
     llm = LLM(
         **extra,
-        model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=True,
+        model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=enforce_eager,
         enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
         gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
     )
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doctor", action="store_true", help="on any difference, locate the first diverging op")
     ap.add_argument("--titan-model-spec", default=None, metavar="SPEC",
                     help="serve and recompute with torchtitan's own definition, e.g. torchtitan.models.qwen3")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="run the engine eager (default: the plugin's default, full decode CUDA graphs on GPU)")
     ap.add_argument("--perturb-generator-op", metavar="MODULE", help="debug: nudge MODULE's output in the engine only")
     args = ap.parse_args(argv)
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(hf["vocab_size"]) if args.titan_model_spec else config_from_hf(hf).vocab_size
     prompts = make_prompts(args.num_seqs, vocab, args.seed, args.shared_prefix)
     llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend,
-                       args.max_num_batched_tokens, args.titan_model_spec)
+                       args.max_num_batched_tokens, args.titan_model_spec, args.enforce_eager)
     if args.perturb_generator_op:
         from titan_rl_ext.tools.parity_doctor import perturb_output_hook
 
@@ -215,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = torch.cat(trainer)
     diff = (gen - ours).abs()
     cached = sum(r.cached_prompt_tokens for r in rollouts)
+    modes = llm.collective_rpc(lambda w: w.vllm_config.compilation_config.cudagraph_mode.name)
+    print(f"engine cudagraph_mode={modes[0]}")
     print(f"prompts={len(rollouts)} prompt_tokens={sum(len(r.prompt) for r in rollouts)} cached_prompt_tokens={cached}")
     print(
         f"logprob_diff abs_mean={diff.mean().item():.3e} max={diff.max().item():.3e} "

@@ -82,10 +82,15 @@ def worker_weight_checksums(worker: Any) -> dict[str, str]:
 
 
 def worker_set_batch_invariant(worker: Any, enabled: bool) -> bool:
-    """The batch-invariance switch inside a worker (the model's kernels read it on every call)."""
+    """The batch-invariance switch inside a worker (the model's kernels read it on every call). CUDA
+    graphs captured under the old setting replay its kernels, so a flip re-captures them."""
     from titan_rl_ext.kernels.batch_invariant import is_batch_invariant, set_batch_invariant
+    from vllm_titan_plugin import graphs
 
+    was = is_batch_invariant()
     set_batch_invariant(bool(enabled))
+    if is_batch_invariant() != was:
+        graphs.recapture(worker)
     return is_batch_invariant()
 
 

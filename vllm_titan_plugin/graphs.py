@@ -1,0 +1,98 @@
+"""CUDA graphs for the titan classes: which mode they run in, and re-capture when the BI switch flips.
+
+The titan model runs vLLM's full decode graphs without torch.compile (``CompilationMode.NONE`` +
+``CUDAGraphMode.FULL_DECODE_ONLY``, which vLLM allows without compilation): a decode-only step replays
+one captured graph of the whole forward, padded to a capture size; prefills and mixed steps run eager.
+What makes the forward capturable lives in the layers: no host reads on the decode path, padded rows
+routed to vLLM's null block and null state slot (``gdn_layer``, ``attention``).
+
+Piecewise graphs would need the model traced by torch.compile (``support_torch_compile``) with the
+attention and GDN cores as splitting ops; a request for a mode with a piecewise part is mapped to its
+full-decode part here, with a log line, rather than silently dropping to eager as vLLM would.
+
+Who runs eager anyway, and why (checked at start-up, once):
+- MoE models: the expert dispatch reads the routed expert ids on the host (``moe.GroupedExperts``).
+- torchtitan's own model classes (``titan_model_spec``): their forward has not been checked for host reads.
+- ``--enforce-eager``: the user's choice.
+
+Graphs bake in the code path they captured, and the batch-invariant switch (``POST
+/titan/v1/batch_invariant``) changes the path: after a flip every worker drops its graphs and captures them
+again under the new setting (``recapture``); if that fails, the worker serves eager from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("vllm.titan_plugin")
+
+
+def eager_reason(model_config: Any) -> str | None:
+    """Why this titan model must run eager (None: it runs under full decode graphs)."""
+    from vllm_titan_plugin.upstream_model import spec_of
+
+    if spec_of(model_config) is not None:
+        return "torchtitan's own model classes (titan_model_spec) run eager"
+    from titan_rl_ext.models.hf import config_from_hf
+
+    if config_from_hf(model_config.hf_config.to_dict()).moe is not None:
+        return "the MoE expert dispatch reads routed expert ids on the host"
+    return None
+
+
+def configure(vllm_config: Any) -> None:
+    """Pick the compilation and CUDA graph modes of a ``--model-impl titan`` engine. Runs before vLLM
+    resolves its own defaults, so an unset field still reads None and a user's explicit choice is kept
+    where the titan classes can honour it."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    mc, cc = vllm_config.model_config, vllm_config.compilation_config
+    if mc is None or getattr(mc, "model_impl", None) != "titan" or mc.enforce_eager:
+        return
+    if (reason := eager_reason(mc)) is not None:
+        logger.info("--model-impl titan: running eager (%s)", reason)
+        mc.enforce_eager = True
+        return
+    if cc.mode is None:
+        cc.mode = CompilationMode.NONE  # the titan classes are not traced by torch.compile
+    asked = cc.cudagraph_mode
+    if asked is None:
+        cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    elif asked not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        # FULL (mixed batches too) would capture prefills, whose GDN kernels read sequence bounds on the
+        # host; piecewise modes need torch.compile. Their decode part is what the titan classes capture.
+        now = CUDAGraphMode.FULL_DECODE_ONLY if asked.decode_mode() == CUDAGraphMode.FULL else CUDAGraphMode.NONE
+        logger.warning("--model-impl titan: cudagraph_mode %s is not supported, using %s", asked.name, now.name)
+        cc.cudagraph_mode = now
+    logger.info("--model-impl titan: compilation mode %s, cudagraph_mode %s",
+                getattr(cc.mode, "name", cc.mode), cc.cudagraph_mode.name)
+
+
+def has_graphs(worker: Any) -> bool:
+    runner = getattr(worker, "model_runner", None)
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)
+    mode = getattr(dispatcher, "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", "NONE") != "NONE"
+
+
+def recapture(worker: Any) -> str:
+    """Drop every captured graph of this worker and capture them again (after the BI switch flipped).
+    Returns what happened: ``"none"`` (no graphs), ``"recaptured"`` or ``"eager"`` (capture failed: the
+    dispatcher is set to run every step eager, so the engine keeps serving, slower)."""
+    if not has_graphs(worker):
+        return "none"
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    runner = worker.model_runner
+    CUDAGraphWrapper.clear_all_graphs()
+    try:
+        runner.capture_model()
+        return "recaptured"
+    except Exception:
+        logger.exception("titan: CUDA graph re-capture failed; this worker serves eager from now on")
+        CUDAGraphWrapper.clear_all_graphs()
+        from vllm.config import CUDAGraphMode
+
+        runner.cudagraph_dispatcher.cudagraph_mode = CUDAGraphMode.NONE  # dispatch() then answers NONE
+        return "eager"

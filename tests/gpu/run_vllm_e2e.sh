@@ -44,8 +44,8 @@ parity() {  # name, args...
 if [[ $what == parity || $what == all ]]; then
     parity dense_bi   --model-dir $ck/dense --max-num-batched-tokens 528 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
     [ -n "${PARITY_BI_ONLY:-}" ] || parity dense_nobi --model-dir $ck/dense --max-num-batched-tokens 528 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
-    parity moe_bi     --model-dir $ck/moe --max-num-batched-tokens 1056 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
-    [ -n "${PARITY_BI_ONLY:-}" ] || parity moe_nobi   --model-dir $ck/moe --max-num-batched-tokens 1056 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200
+    [ -f $ck/moe/config.json ] && parity moe_bi     --model-dir $ck/moe --max-num-batched-tokens 1056 --bi --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200 --doctor
+    [ -f $ck/moe/config.json ] && { [ -n "${PARITY_BI_ONLY:-}" ] || parity moe_nobi   --model-dir $ck/moe --max-num-batched-tokens 1056 --prefix-caching --num-seqs 16 --max-tokens 32 --shared-prefix 1200; }
 fi
 
 if [[ $what == ipc || $what == all ]]; then

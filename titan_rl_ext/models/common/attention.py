@@ -55,7 +55,8 @@ class AttentionKernel(Protocol):
 class TorchAttentionKernel(nn.Module):
     """Causal attention within each packed sequence (``packed_causal_attention``: one flash launch, or the
     batch-invariant Triton kernel), or over a cached prefix and the new tokens when given a ``KVState``
-    (inference without an engine: per sequence, or the BI kernel over the state's keys on CUDA)."""
+    (inference without an engine: the Triton kernel over the state's keys in one launch on CUDA, per
+    sequence on CPU)."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -77,8 +78,10 @@ class TorchAttentionKernel(nn.Module):
         new_k = [torch.cat([state.k[n], k_TKH[s:e]], dim=0) for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
         new_v = [torch.cat([state.v[n], v_TKH[s:e]], dim=0) for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
         new_state = KVState(tuple(new_k), tuple(new_v))
-        if bi.is_batch_invariant() and q_TNH.is_cuda and bi._triton() is not None:
-            # the kernel the trainer and the generator run, over this state's keys laid end to end
+        if q_TNH.is_cuda and bi._triton() is not None:
+            # the kernel the trainer and the generator run in BI mode, over this state's keys laid end to
+            # end: one launch for every sequence. Non-BI mode takes it too -- it is the fastest path the
+            # project has here (the per-sequence SDPA loop below cost 256 launches at a 256-sequence decode)
             from titan_rl_ext.kernels.attention_triton import bi_attention_fwd
 
             lens = [t.shape[0] for t in new_k]

@@ -85,3 +85,79 @@ def test_engine_config_of_titan_models(tiny_ckpt) -> None:
     assert vc.model_config.enforce_eager
     vc = build(tiny_ckpt("qwen3_5", layout="text"), model_impl="auto")  # native: vLLM's own choice
     assert vc.compilation_config.mode != CompilationMode.NONE
+
+
+# -- the decode step reads nothing from the host --------------------------------------------------------
+# A CUDA graph cannot hold a host read: on the GPU a capture that meets one fails (tests/gpu/vllm_graphs.py
+# captures every size). On CPU the same property is checked by watching the decode forward for the ops that
+# would read the device on a GPU: ``item``/``int(t)`` (aten._local_scalar_dense), data-dependent shapes
+# (nonzero, masked_select, unique) and ``tolist``. Kernel backends (``titan_rl_ext/kernels``) are exempt: on
+# CPU their torch references loop over sequences on purpose, on CUDA FLA's and the project's Triton kernels
+# run instead and the GPU capture covers them. Everything else on the path -- the titan layers, the
+# decoder, the plugin's glue -- must not read the host.
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+_ROOT = Path(__file__).resolve().parents[1]
+_EXEMPT = _ROOT / "titan_rl_ext" / "kernels"
+HOST_READS: list[str] = []
+DECODE_STEPS_WATCHED = [0]
+
+
+def _where() -> str | None:
+    """The innermost project frame of the current stack ('file:line'), None if it is an exempt kernel."""
+    import traceback
+
+    for fr in reversed(traceback.extract_stack()):
+        path = Path(fr.filename).resolve()
+        if _ROOT in path.parents and "tests" not in path.relative_to(_ROOT).parts:
+            return None if _EXEMPT in path.parents else f"{path.relative_to(_ROOT)}:{fr.lineno}"
+    return None
+
+
+def _watch_decode_steps(model: Any) -> None:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from vllm.forward_context import get_forward_context
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket.__name__ in _SYNC_OPS and (where := _where()) is not None:
+                HOST_READS.append(f"{func.overloadpacket.__name__} at {where}")
+            return func(*args, **(kwargs or {}))
+
+    orig_forward, orig_tolist = model.forward, torch.Tensor.tolist
+
+    def tolist(t: torch.Tensor) -> Any:
+        if (where := _where()) is not None:
+            HOST_READS.append(f"tolist at {where}")
+        return orig_tolist(t)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        md = get_forward_context().attn_metadata
+        gdn = [m for m in (md or {}).values() if hasattr(m, "num_prefills")] if isinstance(md, dict) else []
+        if not gdn or any(m.num_prefills for m in gdn):
+            return orig_forward(*args, **kwargs)  # prefills and mixed steps run eager: not captured
+        DECODE_STEPS_WATCHED[0] += 1
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        try:
+            with HostReads():
+                return orig_forward(*args, **kwargs)
+        finally:
+            torch.Tensor.tolist = orig_tolist  # type: ignore[method-assign]
+
+    model.forward = forward
+
+
+def test_decode_step_reads_nothing_from_the_host(tiny_ckpt) -> None:
+    from test_vllm_plugin import ENGINE_ENV, _generate, _prompts, titan_engine
+
+    with pytest.MonkeyPatch.context() as mp:
+
+        for k, v in ENGINE_ENV.items():
+            mp.setenv(k, v)
+        with titan_engine(tiny_ckpt("qwen3_5", layout="text"), enable_prefix_caching=False, max_num_seqs=8) as llm:
+            llm.apply_model(_watch_decode_steps)
+            HOST_READS.clear()
+            DECODE_STEPS_WATCHED[0] = 0
+            _generate(llm, _prompts([5, 17, 40, 3], seed=7), 6)
+    assert DECODE_STEPS_WATCHED[0] >= 4, DECODE_STEPS_WATCHED  # the check saw decode-only steps
+    assert HOST_READS == [], HOST_READS[:10]

@@ -151,7 +151,6 @@ def test_decode_step_reads_nothing_from_the_host(tiny_ckpt) -> None:
     from test_vllm_plugin import ENGINE_ENV, _generate, _prompts, titan_engine
 
     with pytest.MonkeyPatch.context() as mp:
-
         for k, v in ENGINE_ENV.items():
             mp.setenv(k, v)
         with titan_engine(tiny_ckpt("qwen3_5", layout="text"), enable_prefix_caching=False, max_num_seqs=8) as llm:

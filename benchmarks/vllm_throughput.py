@@ -124,7 +124,7 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
                          "native_tok_s": results["native_graphs"][kind][k], "titan_tok_s": results["titan"][kind][k],
                          "titan_bi_tok_s": results["titan_bi"][kind][k],
                          "graphs": results["titan"]["cudagraph_mode"] != "NONE"})
-    env = {"git": git.stdout.strip() or os.environ.get("TITAN_GIT", ""), "gpu": results["titan"].get("gpu"),
+    env = {"git": os.environ.get("TITAN_GIT") or git.stdout.strip(),  # a device copy's .git can lag the tree "gpu": results["titan"].get("gpu"),
            "vllm": importlib.metadata.version("vllm"),
            "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
            "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}

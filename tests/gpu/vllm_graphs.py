@@ -4,13 +4,13 @@
 
 A decode step under full graphs is padded up to a capture size, and the same request then runs in graphs
 of different sizes depending on what shares its batch. With batch invariance on, none of that may change
-a row's bits. One engine per mode, each in its own process (``--worker graphs|eager``):
+a row's bits. One engine per mode, each in its own process (``--worker graphs|eager|graphs_nobi``):
 
 - ``graphs``: the plugin's default (``FULL_DECODE_ONLY``, no torch.compile), BI on;
 - ``eager``: ``enforce_eager=True``, BI on.
 
-Each engine generates greedily from the first B of a fixed prompt list for every B in ``--batch-sizes``
-(every capture size up to 64 and one below each, so most steps are padded); each request's tokens and
+Each engine generates greedily from the first B of a fixed prompt list for every B in ``BATCH_SIZES``
+(every capture size up to 64 and its neighbours, so most steps are padded); each request's tokens and
 per-token logprobs are kept. The driver asserts that every prompt got the same tokens and bit-identical
 logprobs in every batch and in both engines, and reports the graph mode and graph count each engine
 ran with. A BI-off graphs engine is the control: its rows must differ across batch sizes somewhere,
@@ -56,8 +56,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
              "lps": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
             for o in outs
         ]
-    graphs = llm.collective_rpc(lambda w: sum(len(x.concrete_cudagraph_entries) for x in __import__(
-        "vllm.compilation.cuda_graph", fromlist=["CUDAGraphWrapper"]).CUDAGraphWrapper._all_instances))[0]
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the worker's wrappers live in this process
+    graphs = sum(len(w.concrete_cudagraph_entries) for w in CUDAGraphWrapper._all_instances)
     return {"mode": mode, "cudagraph_mode": runner_mode, "graphs": graphs, "init_s": init_s, "runs": runs}
 
 

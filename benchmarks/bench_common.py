@@ -10,6 +10,8 @@ Not a script. Each benchmark imports it as a sibling module (``sys.path`` gets t
   the interleaved rounds as a row)
 - command line: ``base_parser``, ``add_timing_args``, ``resolve_device``
 - FLA: ``fla_chunk_bwd_guard`` (FLA issue #640)
+- profiler: ``profile_step`` (one call's CUDA kernels by total time, with heuristic categories),
+  ``print_profile``
 - model: ``build_slice`` (the 4-layer Qwen3.5-9B slice of bi_trainer_step and bi_inference), ``two_packings``
   (the same sequences packed two ways, for their batch-composition checks)
 """
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -273,3 +276,93 @@ def two_packings(lengths: list[int], vocab: int, dev: torch.device, seed: int = 
     seqs_b = [torch.randint(0, vocab, (FILLER_LEN,), generator=gen).to(dev)] + [seqs[i] for i in perm]
     return (torch.cat(seqs), SeqBatch.from_lengths([s.numel() for s in seqs], device=dev), perm,
             torch.cat(seqs_b), SeqBatch.from_lengths([s.numel() for s in seqs_b], device=dev))
+
+
+# --------------------------------------------------------------------------------------------------
+# profiler
+
+
+# kernel-name keywords -> category (heuristic, first match wins)
+KERNEL_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("BI GEMM (triton _bi_mm)", ("_bi_mm_kernel",)),
+    ("BI row reduction (triton)", ("_row_sum_sq",)),
+    ("FLA recurrent", ("fused_recurrent",)),
+    ("FLA chunk", ("chunk", "wy_repr", "solve_tril", "recompute_w_u", "l2norm")),
+    ("triton fused (inductor / vLLM)", ("triton_",)),
+    ("GEMM (cuBLAS/cutlass)", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "sm90_", "sm80_", "cublas")),
+    ("triangular solve", ("trsm", "trsv", "triangular")),
+    ("attention (SDPA / paged)", ("flash", "fmha", "attention", "efficient")),
+    ("norm (fused)", ("rms_norm", "rmsnorm", "layer_norm", "layernorm")),
+    ("conv1d (fused)", ("conv1d",)),
+    ("softmax", ("softmax",)),
+    ("memcpy/memset", ("memcpy", "memset")),
+    ("cat/copy/index", ("catarray", "cat_", "copy", "index", "gather", "scatter")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "fill")),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, keys in KERNEL_CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def profile_step(fn: Callable[[], Any], dev: torch.device, top: int = 20) -> dict[str, Any]:
+    """One profiled call of ``fn``: CUDA kernels by total time (CPU: aten ops by self time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def record(activities: list[Any]) -> tuple[Any, float]:
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            wall = time.perf_counter() - t0
+        return prof, wall
+
+    if dev.type == "cuda":
+        try:
+            prof, wall = record([ProfilerActivity.CUDA])  # kernels only: far fewer events to parse
+        except Exception:
+            prof, wall = record([ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    else:
+        prof, wall = record([ProfilerActivity.CPU])
+    t_parse = time.perf_counter()
+    items: list[tuple[str, float]]
+    if dev.type == "cuda":
+        try:  # the raw kineto events: skips building ~10^6 Python FunctionEvents and their tree (a BI step
+            # launches a few hundred thousand kernels)
+            raw = prof.profiler.kineto_results.events()
+            items = [(e.name(), (e.end_ns() - e.start_ns()) / 1e3) for e in raw if e.device_type() == DeviceType.CUDA]
+        except Exception:
+            items = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        items = [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type == DeviceType.CPU]
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, us in items:
+        agg[name][0] += 1
+        agg[name][1] += us
+    total_us = sum(v[1] for v in agg.values())
+    cats: dict[str, float] = defaultdict(float)
+    for name, (_, us) in agg.items():
+        cats[categorize(name)] += us
+    rows = [{"name": n, "count": int(c), "total_ms": us / 1e3, "pct": 100 * us / max(total_us, 1e-9), "avg_us": us / max(c, 1)}
+            for n, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]]
+    return {
+        "what": "CUDA kernels" if dev.type == "cuda" else "CPU ops (self time)",
+        "wall_ms": wall * 1e3, "kernel_total_ms": total_us / 1e3, "n_events": int(sum(v[0] for v in agg.values())),
+        "busy_pct": 100 * total_us / 1e3 / (wall * 1e3), "parse_s": time.perf_counter() - t_parse,
+        "top": rows, "categories_ms": {k: v / 1e3 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def print_profile(mode: str, p: dict[str, Any]) -> None:
+    print(f"\nPROFILE {mode}: one step {p['wall_ms']:.1f} ms wall, {p['n_events']} {p['what']} totalling "
+          f"{p['kernel_total_ms']:.1f} ms (busy {p['busy_pct']:.0f}%), parsed in {p['parse_s']:.1f} s")
+    if p["what"] == "CUDA kernels":  # the keyword categories describe CUDA kernel names only
+        print("  by category (heuristic): " + ", ".join(f"{k} {v:.1f} ms" for k, v in p["categories_ms"].items()))
+    for r in p["top"]:
+        print(f"  {r['total_ms']:9.2f} ms {r['pct']:5.1f}% {r['count']:7d}x {r['avg_us']:9.1f} us  {r['name'][:110]}")

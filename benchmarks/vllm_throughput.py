@@ -2,7 +2,7 @@
 
     python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native_graphs,titan,titan_bi]
         [--batch-sizes 1,32,256] [--decode-tokens 128] [--out results.json] [--merge earlier.json]
-        [--serving-json benchmarks/results/serving.json]
+        [--serving-json benchmarks/results/serving.json] [--profile]
 
 Each configuration runs in its own process (a fresh engine, the same GPU, one after the other):
 
@@ -76,15 +76,27 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o in outs)
         return statistics.median(times)
 
+    def profiled(ps: list[Any], sp: Any) -> dict[str, Any]:
+        # after the timed reps (warm: graphs captured, kernels tuned); one generate call, in-process engine
+        from bench_common import profile_step
+
+        return profile_step(lambda: llm.generate(ps, sp, use_tqdm=False), torch.device("cuda"), top=30)
+
     res: dict[str, Any] = {"config": cfg, "served_class": served, "cudagraph_mode": graph_mode, "init_s": init_s,
-                           "decode": {}, "prefill": {}}
+                           "decode": {}, "prefill": {}, "profile": {}}
     for b in args.batch_sizes:
         sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
-        t = timed(prompts(b, 32), sp)
+        ps = prompts(b, 32)
+        t = timed(ps, sp)
         res["decode"][str(b)] = b * args.decode_tokens / t
+        if args.profile:
+            res["profile"][f"decode B={b}"] = profiled(ps, sp)
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     n, length = (int(x) for x in args.prefill.split("x"))
-    res["prefill"][f"{n}x{length}"] = n * length / timed(prompts(n, length), sp1)
+    ps = prompts(n, length)
+    res["prefill"][f"{n}x{length}"] = n * length / timed(ps, sp1)
+    if args.profile:
+        res["profile"][f"prefill {n}x{length}"] = profiled(ps, sp1)
     res["gpu"] = torch.cuda.get_device_name()
     return res
 
@@ -152,6 +164,8 @@ def main() -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--merge", default="", help="results JSON of an earlier run on the same machine: its configs join the table")
     ap.add_argument("--serving-json", default="", help="write the rows of native_graphs / titan / titan_bi in serving.json form")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each workload, profile one generate call (CUDA kernels by time) into the JSON")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -165,7 +179,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
                "--reps", str(args.reps), "--prefill", args.prefill, "--prompt-vocab", str(args.prompt_vocab),
-               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)]
+               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)] + (["--profile"] if args.profile else [])
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -180,6 +194,12 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     print(_table(results) if any("error" not in r for r in results.values()) else "no configuration ran")
+    if args.profile:
+        from bench_common import print_profile
+
+        for cfg, r in results.items():
+            for what, p in r.get("profile", {}).items():
+                print_profile(f"{cfg} {what}", p)
     if args.serving_json:
         _write_serving_json(results, args.serving_json)
     return 0 if all("error" not in r for r in results.values()) else 1

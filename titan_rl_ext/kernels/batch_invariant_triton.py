@@ -104,13 +104,18 @@ def _num_programs(device: torch.device) -> int:
     return _INTERPRET_PROGRAMS
 
 
-def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def bi_matmul(
+    a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
     """``a @ b`` (bf16/fp16/fp32; fp32 accumulation; output in the promoted dtype), batch invariant in M.
     ``b`` may have any strides (a transposed weight is read in place); ``a`` is made contiguous. Mixed
     dtypes compute in the promoted one, bit for bit as if both were cast first; a narrower ``b`` (the
     bf16 LM head of an fp32 head) is widened tile by tile instead of copied (4 GB at a 248k vocabulary).
     ``out_dtype=torch.float32`` with bf16/fp16 operands stores the fp32 accumulator itself (the fp32 LM
-    head over bf16 hidden states and weights: tensor-core products, which are exact, and fp32 sums)."""
+    head over bf16 hidden states and weights: tensor-core products, which are exact, and fp32 sums).
+    ``config`` overrides the dtype's tile configuration (``tests/gpu/bi_gemm_tiles.py`` measures which
+    configurations give the default's bits)."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"bi_matmul expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     if a_MK.device != b_KN.device:
@@ -129,7 +134,7 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | N
         return c
     if K == 0:
         return c.zero_()
-    BM, BN, BK, GM, warps, stages = _MM_CONFIGS[dtype]
+    BM, BN, BK, GM, warps, stages = config or _MM_CONFIGS[dtype]
     n_prog = _num_programs(a.device)
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     _bi_mm_kernel[(min(n_prog, n_tiles),)](

@@ -4,14 +4,20 @@ Layout: x ``[T, C]`` packed, weight ``[C, W]``, ``cu_seqlens`` ``[N+1]``; the st
 its last ``W - 1`` inputs, ``[N, W-1, C]`` (time-major, like vLLM's conv cache). With no initial
 state a sequence starts from zeros -- the same as left zero padding, which is what HF does.
 
-``causal_conv1d_torch`` is the one the model runs: every sequence at once, no host synchronisation
-(decode steps of hundreds of sequences). ``causal_conv1d_reference`` loops over sequences and is kept
-as the readable reference; both sum the taps in the same fixed order, so they agree bit for bit.
+``causal_conv1d`` is what the model calls: the Triton kernel (``conv_triton``) on CUDA, else
+``causal_conv1d_torch``, every sequence at once with no host synchronisation (decode steps of hundreds of
+sequences). ``causal_conv1d_reference`` loops over sequences and is kept as the readable reference.
+All three compute ``sum_j x[t - W + 1 + j] * w[:, j]`` in fp32 with the taps in ascending order, the
+activation in fp32 and one rounding to the input dtype (as FLA's and vLLM's conv kernels do); the two
+torch ones agree bit for bit, the kernel to fp32 rounding (it may fuse multiply-adds).
 """
 
 from __future__ import annotations
 
 import torch
+
+import functools
+import os
 
 from titan_rl_ext.kernels import ops
 
@@ -68,14 +74,15 @@ def causal_conv1d_reference(
         # Taps summed one by one in a fixed order: each output's bits depend only on its own W
         # inputs, not on the sequence length or chunking (F.conv1d's vectorisation does depend on
         # them), so a prefill split across steps reproduces the unsplit result exactly.
-        y = full[0:L] * weight_CW[:, 0]
+        w32 = weight_CW.float()
+        y = full[0:L].float() * w32[:, 0]
         for j in range(1, W):
-            y = y + full[j : j + L] * weight_CW[:, j]
+            y = y + full[j : j + L].float() * w32[:, j]
         if bias_C is not None:
-            y = y + bias_C
+            y = y + bias_C.float()
         ys.append(y)
-    y_TC = torch.cat(ys, dim=0) if ys else x_TC.new_zeros(0, C)
-    y_TC = _activate(y_TC, activation)
+    y_TC = torch.cat(ys, dim=0) if ys else x_TC.new_zeros(0, C, dtype=torch.float32)
+    y_TC = _activate(y_TC, activation).to(x_TC.dtype)
     final = torch.stack(states) if states else x_TC.new_zeros(0, W - 1, C)
     return y_TC, final
 
@@ -104,12 +111,50 @@ def causal_conv1d_torch(
     first_T = tok_pos_T - (W - 1)
     # Taps summed one by one in a fixed order: each output's bits depend only on its own W inputs, not
     # on the sequence length or chunking, so a prefill split across steps reproduces the unsplit result.
-    y_TC = buf[first_T] * weight_CW[:, 0]
+    w32 = weight_CW.float()
+    y_TC = buf[first_T].float() * w32[:, 0]
     for j in range(1, W):
-        y_TC = y_TC + buf[first_T + j] * weight_CW[:, j]
+        y_TC = y_TC + buf[first_T + j].float() * w32[:, j]
     if bias_C is not None:
-        y_TC = y_TC + bias_C
-    y_TC = _activate(y_TC, activation)
+        y_TC = y_TC + bias_C.float()
+    y_TC = _activate(y_TC, activation).to(x_TC.dtype)
     end_N = cu[1:] + (torch.arange(N, device=dev) + 1) * (W - 1)
     final = buf[(end_N[:, None] - (W - 1) + taps).reshape(-1)].view(N, W - 1, C)
     return y_TC, final
+
+
+FUSED_ENV = "TITAN_FUSED_KERNELS"  # "0": the torch path on CUDA too (same switch as kernels.rows)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> object:
+    try:
+        from titan_rl_ext.kernels.conv_triton import causal_conv1d_triton
+    except Exception:  # no triton, or one that cannot initialise
+        return None
+    return causal_conv1d_triton
+
+
+def causal_conv1d(
+    x_TC: torch.Tensor,
+    weight_CW: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    bias_C: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's conv: one Triton launch (plus one for the states) on CUDA, ``causal_conv1d_torch``
+    elsewhere. Differentiable on both (the kernel's gradient is ``causal_conv1d_torch``'s at the same inputs)."""
+    kernel = _kernel()
+    if kernel is None or not x_TC.is_cuda or os.environ.get(FUSED_ENV, "1") == "0":
+        return causal_conv1d_torch(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation)
+    _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
+    from titan_rl_ext.kernels.rows import kernel_with_reference_grad
+
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernel(x, w, cu_seqlens, b, s, activation)
+
+    def ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv1d_torch(x, w, cu_seqlens, b, s, activation)
+
+    return kernel_with_reference_grad(run, ref, x_TC, weight_CW, bias_C, initial_state)

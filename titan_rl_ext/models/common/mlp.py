@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titan_rl_ext.kernels import ops
+from titan_rl_ext.kernels import ops, rows
 
 
 class FeedForward(nn.Module):
@@ -17,4 +17,4 @@ class FeedForward(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         gate_TF, up_TF = self.w13.split(self.w13(x_TD))
-        return self.w2(ops.silu(gate_TF) * up_TF)
+        return self.w2(rows.silu_mul(gate_TF, up_TF))

@@ -1,11 +1,11 @@
-"""RMSNorm variants of the Qwen family. Statistics always in fp32."""
+"""RMSNorm variants of the Qwen family. Statistics always in fp32; the math is in ``kernels.rows``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from titan_rl_ext.kernels import ops
+from titan_rl_ext.kernels import rows
 
 
 class RMSNorm(nn.Module):
@@ -23,11 +23,7 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x_hat = x32 * ops.rsqrt(ops.mean_sq(x32) + self.eps)
-        if self.zero_centered:
-            return (x_hat * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * x_hat.to(x.dtype)
+        return rows.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"
@@ -45,7 +41,4 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x_hat = x32 * ops.rsqrt(ops.mean_sq(x32) + self.eps)
-        y = self.weight * x_hat.to(x.dtype)
-        return (y * ops.silu(gate.float())).to(x.dtype)
+        return rows.gated_rms_norm(x, gate, self.weight, self.eps)

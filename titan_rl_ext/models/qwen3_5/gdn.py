@@ -14,10 +14,10 @@ from typing import Any, Callable, Literal
 import torch
 import torch.nn as nn
 
-from titan_rl_ext.kernels.conv import causal_conv1d_torch
+from titan_rl_ext.kernels.conv import causal_conv1d
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi
-from titan_rl_ext.kernels import ops
+from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
 
@@ -68,7 +68,7 @@ class CausalConvKernel(nn.Module):
     def forward(
         self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return causal_conv1d_torch(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu")
+        return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu")
 
 
 class GatedDeltaRuleKernel(nn.Module):
@@ -101,10 +101,6 @@ class GatedDeltaRuleKernel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, backend={self.backend}"
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * ops.rsqrt(ops.sum_sq(x) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -143,12 +139,14 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         T = x_TD.shape[0]
         mixed_TC, z_TF, b_TH, a_TH = self.in_proj.split(self.in_proj(x_TD))
+        # mixed_TC is a column slice of the merged projection: the conv reads it in place (rows strided)
         qkv_TC, conv_state = self.conv_kernel(
-            mixed_TC.contiguous(), self.conv_weight.squeeze(1), batch, None if state is None else state.conv
+            mixed_TC, self.conv_weight.squeeze(1), batch, None if state is None else state.conv
         )
         q, k, v = torch.split(qkv_TC, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        q_THK = l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
-        k_THK = l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim).float())
+        # fp32, read in place from the conv output (head views of a [T, conv_dim] buffer)
+        q_THK = rows.l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
+        k_THK = rows.l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
         beta_TH = ops.sigmoid(b_TH.contiguous())
         g_TH = -ops.exp(self.A_log.float()) * ops.softplus(a_TH.float() + self.dt_bias)

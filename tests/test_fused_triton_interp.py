@@ -1,0 +1,196 @@
+"""The CUDA fused kernels of the layers -- ``kernels.rows_triton`` (RMSNorm both flavours, gated RMSNorm,
+l2norm, SwiGLU) and ``kernels.conv_triton`` (causal conv with state) -- run on CPU under the Triton
+interpreter and checked against their plain-PyTorch references (``kernels.rows``, ``kernels.conv``).
+
+What must hold exactly (``torch.equal``): a row's / token's bits do not depend on which other rows or
+sequences share the launch (batch invariance), on a strided view vs a contiguous copy of the input, or on a
+prefill being split across steps with the conv state carried; final conv states are copies of inputs.
+What holds to a tolerance: the values against the references. fp32: 1e-5 relative (a different reduction
+order and fused multiply-adds). 16-bit outputs: three bf16 ulps, because the interpreter's fp32 -> bf16 cast
+truncates instead of rounding, and the gated norm rounds three times (x_hat, w * x_hat, the gated product),
+as its torch reference does.
+
+Runs in a subprocess with ``TRITON_INTERPRET=1`` (it must be set before a kernel is defined and must not
+leak into other tests). Skipped where triton is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fused_kernels_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"interpreter checks failed:\n{r.stdout}\n{r.stderr}"
+    assert "ALL OK" in r.stdout, r.stdout
+    print(r.stdout, f"(subprocess {time.time() - t0:.1f}s)")
+
+
+# ------------------------------------------------------------------------------------------------
+# the checks, run in the subprocess
+
+
+def _close(got, ref, rounded_to=None) -> None:  # type: ignore[no-untyped-def]
+    """``rounded_to``: the narrowest dtype the computation rounds through (default: the output's)."""
+    import torch
+
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, ref.dtype, got.shape, ref.shape)
+    if (rounded_to or got.dtype) == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), rtol=3 * 2.0**-7, atol=1e-3)
+
+
+def _check_norms() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(0)
+    for D in (128, 256, 1000, 4096):  # GDN head, attention head, a non-power-of-two, the hidden size
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(37, D, generator=g) * 2).to(dtype)
+            w = (torch.randn(D, generator=g) * 0.1).to(dtype)
+            z = torch.randn(37, D, generator=g).to(dtype)
+            cases = {  # (kernel, reference), each on (x, gate)
+                "zero-centred": (lambda x, z: rt.norm_rows(x, w, 1e-6, 1),
+                                 lambda x, z: rows.rms_norm_torch(x, w, 1e-6, True)),
+                "plain": (lambda x, z: rt.norm_rows(x, w, 1e-6, 0),
+                          lambda x, z: rows.rms_norm_torch(x, w, 1e-6, False)),
+                "gated": (lambda x, z: rt.norm_rows(x, w, 1e-6, 2, gate=z),
+                          lambda x, z: rows.gated_rms_norm_torch(x, z, w, 1e-6)),
+                "l2norm": (lambda x, z: rt.norm_rows(x, None, 1e-6, 3, out_dtype=torch.float32),
+                           lambda x, z: rows.l2norm_torch(x, 1e-6)),
+            }
+            for name, (kern, ref) in cases.items():
+                y = kern(x, z)
+                _close(y, ref(x, z))
+                for a, n in ((0, 1), (36, 1), (3, 5)):  # rows alone or in other groupings: same bits
+                    assert torch.equal(kern(x[a : a + n], z[a : a + n]), y[a : a + n]), (name, D, dtype, a, n)
+    # a weight wider than the rows (Qwen3's bf16 rows under an fp32 weight): torch promotes, so does the kernel
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    w32 = torch.randn(128, generator=g)
+    _close(rt.norm_rows(x, w32, 1e-6, 0, out_dtype=torch.float32), rows.rms_norm_torch(x, w32, 1e-6, False),
+           rounded_to=torch.bfloat16)  # x_hat is rounded to the rows' dtype first
+    # head views of a wider buffer ([T, H, K] cut from [T, C]) are read in place: same bits as a copy
+    buf = torch.randn(9, 3 * 4 * 64, generator=g).bfloat16()
+    view = buf[:, 4 * 64 : 8 * 64].reshape(9, 4, 64)
+    assert view.stride() == (3 * 4 * 64, 64, 1)
+    y = rt.norm_rows(view, None, 1e-6, 3, out_dtype=torch.float32)
+    assert y.shape == (9, 4, 64) and torch.equal(y, rt.norm_rows(view.contiguous(), None, 1e-6, 3, out_dtype=torch.float32))
+    _close(y, rows.l2norm_torch(view, 1e-6))
+
+
+def _check_silu_mul() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        merged = (torch.randn(11, 2 * 300, generator=g) * 3).to(dtype)
+        gate, up = merged.split(300, dim=-1)  # views of one GEMM output, as FeedForward passes them
+        y = rt.silu_mul(gate, up)
+        _close(y, rows.silu_mul_torch(gate, up))
+        assert torch.equal(rt.silu_mul(gate[4:6], up[4:6]), y[4:6])
+        assert torch.equal(rt.silu_mul(gate.contiguous(), up.contiguous()), y)
+
+
+def _check_reference_grad() -> None:
+    """Forward from the kernel, gradient = autograd of the reference at the same inputs (exactly)."""
+    import functools
+
+    import torch
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, generator=g, requires_grad=True)
+    gy = torch.randn(6, 64, generator=g)
+    ref = functools.partial(rows.rms_norm_torch, eps=1e-6, zero_centered=True)
+    y = rows.kernel_with_reference_grad(lambda x, w: rt.norm_rows(x, w, 1e-6, 1), ref, x, w)
+    assert torch.equal(y.detach(), rt.norm_rows(x.detach(), w.detach(), 1e-6, 1))
+    y.backward(gy)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ref(x, w).backward(gy)
+    assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+    # only the inputs that require grad get one; a None input passes through
+    x2 = torch.randn(6, 64, generator=g, requires_grad=True)
+    out = rows.kernel_with_reference_grad(lambda a, b: rt.silu_mul(a, a), lambda a, b: rows.silu_mul_torch(a, a), x2, None)
+    out.sum().backward()
+    assert x2.grad is not None and x2.grad.shape == x2.shape
+
+
+def _check_conv() -> None:
+    import torch
+
+    from titan_rl_ext.kernels.conv import causal_conv1d_reference, causal_conv1d_torch
+    from titan_rl_ext.kernels.conv_triton import causal_conv1d_triton
+
+    g = torch.Generator().manual_seed(3)
+    C, W = 192, 4  # C not a multiple of the 128-channel block: a tail
+    lengths = [5, 0, 1, 40, 2, 1, 33]  # an empty sequence, decode-like singles, ones longer than BLOCK_T
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    T, N = int(cu[-1]), len(lengths)
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = torch.randn(T, C + 64, generator=g).to(dtype)
+        x = wide[:, 32 : 32 + C]  # a column slice (rows strided), as the GDN projection hands it over
+        w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+        bias = torch.randn(C, generator=g).to(dtype)
+        st = torch.randn(N, W - 1, C, generator=g).to(dtype)
+        for state in (None, st):
+            for b in (None, bias):
+                y, fin = causal_conv1d_triton(x, w, cu, b, state, "silu")
+                y_ref, fin_ref = causal_conv1d_torch(x, w, cu, b, state, "silu")
+                _close(y, y_ref)
+                assert torch.equal(fin, fin_ref), "final states are copies of inputs"
+                assert torch.equal(causal_conv1d_triton(x.contiguous(), w, cu, b, state, "silu")[0], y)
+        y_lin, _ = causal_conv1d_triton(x, w, cu, None, st, None)
+        _close(y_lin, causal_conv1d_reference(x, w, cu, None, st, None)[0])
+        y, fin = causal_conv1d_triton(x, w, cu, None, st)
+        # one sequence alone gives the bits it had packed with the others
+        n = 3
+        s, e = int(cu[n]), int(cu[n + 1])
+        y1, f1 = causal_conv1d_triton(x[s:e], w, torch.tensor([0, e - s]), None, st[n : n + 1])
+        assert torch.equal(y1, y[s:e]) and torch.equal(f1, fin[n : n + 1])
+        # a prefill split in two steps, state carried, equals the unsplit one; then a decode step
+        seq = x[s:e]
+        cut = 17
+        ya, fa = causal_conv1d_triton(seq[:cut], w, torch.tensor([0, cut]), None, st[n : n + 1])
+        yb, fb = causal_conv1d_triton(seq[cut:], w, torch.tensor([0, e - s - cut]), None, fa)
+        assert torch.equal(torch.cat([ya, yb]), y1) and torch.equal(fb, f1)
+        tok = torch.randn(1, C, generator=g).to(dtype)
+        yd, fd = causal_conv1d_triton(tok, w, torch.tensor([0, 1]), None, fb)
+        yfull, ffull = causal_conv1d_triton(torch.cat([seq, tok]), w, torch.tensor([0, e - s + 1]), None, st[n : n + 1])
+        assert torch.equal(yd, yfull[-1:]) and torch.equal(fd, ffull)
+
+
+def _main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    for check in (_check_norms, _check_silu_mul, _check_reference_grad, _check_conv):
+        t0 = time.time()
+        check()
+        print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")
+    print("ALL OK")
+
+
+if __name__ == "__main__":
+    _main()

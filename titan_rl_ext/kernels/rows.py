@@ -1,0 +1,161 @@
+"""Per-row ops of the layers -- RMSNorm, the GDN output's gated RMSNorm, l2norm, SwiGLU's ``silu(g) * u`` --
+each as a plain-PyTorch reference (``*_torch``: what CPU runs, what the kernels are tested against) and a
+dispatcher that runs one Triton launch (``rows_triton``) on CUDA.
+
+The dispatchers pick by device alone, never by mode: on CUDA the trainer and the generator run the same
+kernel, batch-invariant mode or not (its row layout depends on the row width only), so the forward bits
+both sides see are the kernel's. Gradients go through the reference (the inputs are saved and the
+reference is differentiated at them): a backward pass need not be batch invariant, and the reference's
+gradient is the gradient of the same function up to rounding. ``TITAN_FUSED_KERNELS=0`` keeps the torch
+references on CUDA (a debugging switch: both sides of a run must use the same setting).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from titan_rl_ext.kernels import ops
+
+FUSED_ENV = "TITAN_FUSED_KERNELS"
+
+
+# ---------------------------------------------------------------------------------------------------
+# references
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """Qwen3.5 (``zero_centered``): ``(x_hat * (1 + w)).to(x.dtype)``; Qwen3: ``w * x_hat.to(x.dtype)``
+    (the promoted dtype of w and x). ``x_hat = x * rsqrt(mean(x^2) + eps)`` in fp32."""
+    x32 = x.float()
+    x_hat = x32 * ops.rsqrt(ops.mean_sq(x32) + eps)
+    if zero_centered:
+        return (x_hat * (1.0 + weight.float())).to(x.dtype)
+    return weight * x_hat.to(x.dtype)
+
+
+def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(w * x_hat.to(x.dtype)) * silu(gate)``, rounded to ``x.dtype`` (the GDN output norm)."""
+    x32 = x.float()
+    x_hat = x32 * ops.rsqrt(ops.mean_sq(x32) + eps)
+    y = weight * x_hat.to(x.dtype)
+    return (y * ops.silu(gate.float())).to(x.dtype)
+
+
+def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, in fp32 (fp32 result whatever ``x``'s dtype)."""
+    x32 = x.float()
+    return x32 * ops.rsqrt(ops.sum_sq(x32) + eps)
+
+
+def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return ops.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------------
+# dispatch
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Any:
+    try:
+        from titan_rl_ext.kernels import rows_triton
+    except Exception:  # no triton (CPU wheels), or one that cannot initialise
+        return None
+    return rows_triton
+
+
+def fused_available(*ts: torch.Tensor | None) -> bool:
+    """Whether the Triton kernels run for these tensors: all on CUDA, triton importable, not switched off."""
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        return False
+    return all(t is None or t.is_cuda for t in ts) and _kernels() is not None
+
+
+class _KernelForwardReferenceBackward(torch.autograd.Function):
+    """Forward: ``kernel(*inputs)``. Backward: the gradient of ``reference`` at the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, kernel, reference, *inputs):  # type: ignore[no-untyped-def]
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        return kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[no-untyped-def]
+        needs = ctx.needs_input_grad[2:]
+        inputs = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(ctx.saved_tensors, needs)]
+        with torch.enable_grad():
+            outs = ctx.reference(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
+        wrt = [t for t in inputs if t is not None and t.requires_grad]
+        if not pairs or not wrt:
+            return (None, None, *[None] * len(inputs))
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+        return (None, None, *[next(got) if t is not None and t.requires_grad else None for t in inputs])
+
+
+def kernel_with_reference_grad(
+    kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: torch.Tensor | None
+) -> Any:
+    """``kernel(*inputs)``, differentiable through ``reference`` when any input requires grad."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _KernelForwardReferenceBackward.apply(kernel, reference, *inputs)
+    return kernel(*inputs)
+
+
+def _fits(x: torch.Tensor) -> bool:
+    return x.shape[-1] <= _kernels().MAX_D and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """``rms_norm_torch``; one Triton launch on CUDA."""
+    if not (fused_available(x, weight) and _fits(x) and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return rms_norm_torch(x, weight, eps, zero_centered)
+    k = _kernels()
+    out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+
+    def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return k.norm_rows(x, w.contiguous(), eps, 1 if zero_centered else 0, out_dtype=out)
+
+    return kernel_with_reference_grad(kernel, functools.partial(rms_norm_torch, eps=eps, zero_centered=zero_centered), x, weight)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``gated_rms_norm_torch``; one Triton launch on CUDA."""
+    if not (fused_available(x, gate, weight) and _fits(x) and gate.shape == x.shape
+            and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return gated_rms_norm_torch(x, gate, weight, eps)
+    k = _kernels()
+    mid = torch.promote_types(weight.dtype, x.dtype)
+
+    def kernel(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return k.norm_rows(x, w.contiguous(), eps, 2, gate=z, mid_dtype=mid)
+
+    return kernel_with_reference_grad(kernel, functools.partial(gated_rms_norm_torch, eps=eps), x, gate, weight)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``l2norm_torch`` (fp32 result); one Triton launch on CUDA, reading 16-bit inputs in place."""
+    if not (fused_available(x) and _fits(x)):
+        return l2norm_torch(x, eps)
+    k = _kernels()
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return k.norm_rows(x, None, eps, 3, out_dtype=torch.float32)
+
+    return kernel_with_reference_grad(kernel, functools.partial(l2norm_torch, eps=eps), x)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``; one Triton launch on CUDA (``gate``/``up`` may be views of one merged GEMM output)."""
+    if not (fused_available(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype
+            and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return silu_mul_torch(gate, up)
+    return kernel_with_reference_grad(_kernels().silu_mul, silu_mul_torch, gate, up)

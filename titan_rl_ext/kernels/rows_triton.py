@@ -1,0 +1,140 @@
+"""Triton kernels for the per-row ops of the layers: RMSNorm (both Qwen flavours), the GDN output's gated
+RMSNorm, l2norm, and SwiGLU's ``silu(gate) * up``. Each replaces 5-10 torch kernels (casts, pow, mean,
+rsqrt, muls) with one read and one write of the row: in a 16x2048 prefill of the 4-layer Qwen3.5-9B slice
+those torch chains were ~40 % of all kernel time. References and dispatch: ``titan_rl_ext.kernels.rows``.
+
+Batch invariance: a tile is ``ROWS x BLOCK_D`` with ``BLOCK_D`` the whole row (power of two), and
+``ROWS`` and ``num_warps`` are chosen from D alone, so the reduction of a row is laid out the same way
+whatever the number of rows is or where the row sits; a row's bits depend only on the row.
+
+Runs under the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU suite
+checks it (``tests/test_rows_triton_interp.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_D = 16384  # one row per block; wider rows (none in the Qwen models) take the torch path
+
+
+def row_tile(D: int) -> tuple[int, int, int]:
+    """``(BLOCK_D, ROWS, num_warps)`` for rows of width D; depends on D only (batch invariance)."""
+    block = triton.next_power_of_2(D)
+    rows = max(1, min(16, 2048 // block))
+    warps = 8 if block >= 4096 else 4
+    return block, rows, warps
+
+
+@triton.jit(do_not_specialize=["R"])
+def _norm_rows_kernel(
+    x_ptr, w_ptr, z_ptr, y_ptr,
+    R, D, B, sxa, sxb, sza, szb, inv_d, eps,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    MODE: tl.constexpr,  # 0 RMSNorm w*(x_hat in x dtype); 1 zero-centred RMSNorm x_hat*(1+w); 2 gated; 3 l2norm
+    X_DTYPE: tl.constexpr,  # the input's dtype (x_hat is rounded to it in modes 0 and 2)
+    MID_DTYPE: tl.constexpr,  # mode 2: dtype of weight * x_hat (torch's promotion of weight and x)
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    # row r of a [A, B, D] view (strides sa, sb, 1): a strided head view is read in place
+    ra, rb = rows // B, rows % B
+    x = tl.load(x_ptr + (ra * sxa + rb * sxb)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    ss = tl.sum(x * x, axis=1)
+    if MODE == 3:
+        y = x * tl.math.rsqrt(ss + eps)[:, None]
+    else:
+        x_hat = x * tl.math.rsqrt(ss * inv_d + eps)[:, None]
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if MODE == 1:
+            y = x_hat * (1.0 + w)[None, :]
+        else:
+            # torch: weight * x_hat.to(x.dtype), rounded to the promoted dtype
+            y = w[None, :] * x_hat.to(X_DTYPE).to(tl.float32)
+            if MODE == 2:
+                y = y.to(MID_DTYPE).to(tl.float32)
+                z = tl.load(z_ptr + (ra * sza + rb * szb)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = y * (z * tl.sigmoid(z))
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, R, D, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch: silu(gate) rounded to the input dtype, then the product rounded again
+    s = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * D + cols, (s * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[R, D]`` without a copy where its last dim is contiguous and the rows are evenly strided."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _rows_3d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[A, B, D]`` with a unit last stride, a view where possible: the rows of a head view
+    ``[T, H, D]`` cut out of a wider ``[T, C]`` buffer are not evenly strided, but are in two levels."""
+    if x.dim() >= 3:
+        x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    else:
+        x3 = x.reshape(-1, 1, x.shape[-1])
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
+def norm_rows(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: int,
+    gate: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, mid_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One launch of ``_norm_rows_kernel`` over the rows of ``x`` (any leading dims; see MODE). Output is
+    contiguous, shape of ``x``, dtype ``out_dtype`` (default ``x.dtype``); ``mid_dtype``: mode 2's rounding
+    of ``weight * x_hat`` (default ``x.dtype``)."""
+    D = x.shape[-1]
+    if D > MAX_D:
+        raise ValueError(f"row width {D} > {MAX_D}")
+    if x.dtype not in _TL_DTYPES:
+        raise TypeError(f"norm_rows takes fp32/bf16/fp16 rows, got {x.dtype}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} does not match x {tuple(x.shape)}")
+    x3 = _rows_3d(x)
+    A, B = x3.shape[0], x3.shape[1]
+    R = A * B
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if R == 0 or D == 0:
+        return y
+    z3 = _rows_3d(gate) if gate is not None else x3
+    w = weight if weight is not None else x3  # unused in mode 3
+    if weight is not None and (weight.shape != (D,) or not weight.is_contiguous()):
+        raise ValueError(f"weight must be a contiguous [{D}] vector, got {tuple(weight.shape)}")
+    block, rows, warps = row_tile(D)
+    _norm_rows_kernel[(triton.cdiv(R, rows),)](
+        x3, w, z3, y, R, D, B, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), 1.0 / D, eps,
+        BLOCK_D=block, ROWS=rows, MODE=mode, X_DTYPE=_TL_DTYPES[x.dtype],
+        MID_DTYPE=_TL_DTYPES[mid_dtype or x.dtype], num_warps=warps,
+    )
+    return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` over ``[R, D]`` (row-strided views, e.g. the halves of a merged GEMM's output)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+    D = gate.shape[-1]
+    g2, u2 = _rows_2d(gate), _rows_2d(up)
+    R = g2.shape[0]
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if R == 0 or D == 0:
+        return y
+    block = min(4096, triton.next_power_of_2(D))
+    _silu_mul_kernel[(R, triton.cdiv(D, block))](g2, u2, y, R, D, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4)
+    return y

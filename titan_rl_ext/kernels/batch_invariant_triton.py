@@ -3,9 +3,11 @@
 Batch invariance needs every output element to be reduced in one order whatever the other rows are.
 Stock GPU GEMMs break it because their library picks tiles, and often split-K, from M. Here:
 
-- ``bi_matmul``: one tile configuration per input dtype (never chosen by M), no split-K. Each output
+- ``bi_matmul``: one K step (``BLOCK_K``) per input dtype, never chosen by M, no split-K. Each output
   tile is computed by one program that walks K in ``BLOCK_K`` steps in ascending order with an fp32
-  accumulator, so the bits of ``c[m, n]`` depend only on ``a[m, :]``, ``b[:, n]``, K and the dtype.
+  accumulator, so the bits of ``c[m, n]`` depend only on ``a[m, :]``, ``b[:, n]``, K and the dtype. The
+  output tile (``BLOCK_M x BLOCK_N``) is smaller for decode-sized M; that changes which program computes
+  an output, not how (measured bit-equal on the GPU: ``_SMALL_M_CONFIGS``).
   The grid is persistent (a fixed number of programs loop over the tiles); which program computes a
   tile changes with M, how it is computed does not. ``M`` is excluded from Triton's integer
   specialisation (``do_not_specialize``) so M == 1 or M % 16 == 0 compiles the same kernel.
@@ -37,7 +39,25 @@ _MM_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int, int]] = {
     torch.float16: (128, 128, 64, 8, 8, 3),
     torch.float32: (128, 128, 32, 8, 8, 3),
 }
+# Decode-sized M: smaller output tiles, more of them (one 128x128 tile per program leaves most SMs idle when M
+# is 1 and N is 4096). Tiles in M and N decide which program computes an output, not how: every configuration
+# keeps BLOCK_K = 64 and the ascending K walk, and on the H200 all ten measured give the default's bits on
+# every Qwen3.5-9B projection and the LM head at M = 1, 8, 64, 256 (tests/gpu/bi_gemm_tiles.py,
+# benchmarks/results/bi_gemm_tiles.json); tests/gpu/test_batch_invariant_cuda.py sweeps M across these bounds.
+# (largest M, config), first match wins; larger M takes _MM_CONFIGS.
+_SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, tuple[int, int, int, int, int, int]], ...]] = {
+    torch.bfloat16: ((16, (16, 128, 64, 8, 4, 4)), (64, (64, 128, 64, 8, 4, 4))),
+    torch.float16: ((16, (16, 128, 64, 8, 4, 4)), (64, (64, 128, 64, 8, 4, 4))),
+}
 ROW_BLOCK_D_MAX = 1024
+
+
+def mm_config(M: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
+    """The tile configuration ``bi_matmul`` uses for M rows of ``dtype`` (see ``_SMALL_M_CONFIGS``)."""
+    for max_m, cfg in _SMALL_M_CONFIGS.get(dtype, ()):
+        if M <= max_m:
+            return cfg
+    return _MM_CONFIGS[dtype]
 _INTERPRET_PROGRAMS = 4  # persistent grid size under the interpreter (CPU tensors)
 
 
@@ -134,7 +154,7 @@ def bi_matmul(
         return c
     if K == 0:
         return c.zero_()
-    BM, BN, BK, GM, warps, stages = config or _MM_CONFIGS[dtype]
+    BM, BN, BK, GM, warps, stages = config or mm_config(M, dtype)
     n_prog = _num_programs(a.device)
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     _bi_mm_kernel[(min(n_prog, n_tiles),)](

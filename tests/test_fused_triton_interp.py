@@ -1,5 +1,5 @@
 """The CUDA fused kernels of the layers -- ``kernels.rows_triton`` (RMSNorm both flavours, gated RMSNorm,
-l2norm, SwiGLU) and ``kernels.conv_triton`` (causal conv with state) -- run on CPU under the Triton
+l2norm, SwiGLU, the GDN gates) and ``kernels.conv_triton`` (causal conv with state) -- run on CPU under the Triton
 interpreter and checked against their plain-PyTorch references (``kernels.rows``, ``kernels.conv``).
 
 What must hold exactly (``torch.equal``): a row's / token's bits do not depend on which other rows or
@@ -111,6 +111,28 @@ def _check_silu_mul() -> None:
         assert torch.equal(rt.silu_mul(gate.contiguous(), up.contiguous()), y)
 
 
+def _check_gdn_gates() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(4)
+    H = 32
+    for dtype in (torch.float32, torch.bfloat16):
+        proj = (torch.randn(45, 100 + 2 * H, generator=g) * 8).to(dtype)  # a and b: column slices, as in the layer
+        a, b = proj[:, 100 : 100 + H], proj[:, 100 + H :]
+        A_log = torch.empty(H).uniform_(0, 2.7, generator=g)
+        dt_bias = torch.randn(H, generator=g).to(dtype)
+        gk, bk = rt.gdn_gates(a, b, A_log, dt_bias)
+        gr, br = rows.gdn_gates_torch(a, b, A_log, dt_bias)
+        assert gk.dtype == torch.float32 and bk.dtype == dtype
+        # softplus as log(1 + exp(x)) loses relative precision below x ~ -15, where g is ~1e-7 of A
+        torch.testing.assert_close(gk, gr, rtol=1e-5, atol=1e-6)
+        _close(bk, br)
+        assert torch.equal(rt.gdn_gates(a[7:9], b[7:9], A_log, dt_bias)[0], gk[7:9])
+
+
 def _check_reference_grad() -> None:
     """Forward from the kernel, gradient = autograd of the reference at the same inputs (exactly)."""
     import functools
@@ -185,7 +207,7 @@ def _check_conv() -> None:
 
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    for check in (_check_norms, _check_silu_mul, _check_reference_grad, _check_conv):
+    for check in (_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv):
         t0 = time.time()
         check()
         print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")

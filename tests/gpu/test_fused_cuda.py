@@ -84,6 +84,21 @@ def test_conv_matches_reference_split_and_graph() -> None:
     assert torch.equal(y_g, y_eager) and torch.equal(f_g, f_eager)
 
 
+def test_gdn_gates_match_reference() -> None:
+    from titan_rl_ext.kernels import rows
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    proj = torch.randn(3000, 4096 + 64, device="cuda", generator=g).bfloat16() * 8
+    a, b = proj[:, 4096 : 4096 + 32], proj[:, 4096 + 32 :]
+    A_log = torch.empty(32, device="cuda").uniform_(0, 2.7, generator=g)
+    dt_bias = torch.randn(32, device="cuda", generator=g).bfloat16()
+    gk, bk = rows.gdn_gates(a, b, A_log, dt_bias)
+    gr, br = rows.gdn_gates_torch(a, b, A_log, dt_bias)
+    torch.testing.assert_close(gk, gr, rtol=1e-5, atol=1e-6)
+    _close(bk, br)
+    assert torch.equal(rows.gdn_gates(a[5:6], b[5:6], A_log, dt_bias)[0], gk[5:6])
+
+
 def test_silu_mul_and_grad_through_reference() -> None:
     from titan_rl_ext.kernels import rows
 

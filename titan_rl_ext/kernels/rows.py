@@ -1,4 +1,5 @@
-"""Per-row ops of the layers -- RMSNorm, the GDN output's gated RMSNorm, l2norm, SwiGLU's ``silu(g) * u`` --
+"""Per-row ops of the layers -- RMSNorm, the GDN output's gated RMSNorm, l2norm, SwiGLU's ``silu(g) * u``,
+the GDN gates --
 each as a plain-PyTorch reference (``*_torch``: what CPU runs, what the kernels are tested against) and a
 dispatcher that runs one Triton launch (``rows_triton``) on CUDA.
 
@@ -54,6 +55,15 @@ def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ops.silu(gate) * up
+
+
+def gdn_gates_torch(
+    a_TH: torch.Tensor, b_TH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_H: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's per-token decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and write
+    strength ``beta = sigmoid(b)`` (b's dtype)."""
+    g = -ops.exp(A_log_H.float()) * ops.softplus(a_TH.float() + dt_bias_H)
+    return g, ops.sigmoid(b_TH.contiguous())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,3 +169,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return silu_mul_torch(gate, up)
     return kernel_with_reference_grad(_kernels().silu_mul, silu_mul_torch, gate, up)
+
+
+def gdn_gates(
+    a_TH: torch.Tensor, b_TH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_H: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gdn_gates_torch``; one Triton launch on CUDA (eight torch kernels otherwise)."""
+    ok = (fused_available(a_TH, b_TH, A_log_H, dt_bias_H) and a_TH.dim() == 2 and a_TH.shape == b_TH.shape
+          and a_TH.dtype in (torch.float32, torch.bfloat16, torch.float16) and b_TH.dtype == a_TH.dtype)
+    if not ok:
+        return gdn_gates_torch(a_TH, b_TH, A_log_H, dt_bias_H)
+    return kernel_with_reference_grad(_kernels().gdn_gates, gdn_gates_torch, a_TH, b_TH, A_log_H, dt_bias_H)

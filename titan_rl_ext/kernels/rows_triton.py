@@ -73,6 +73,23 @@ def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, R, D, stride_g, stride_u, BLOCK: tl.co
     tl.store(y_ptr + row * D + cols, (s * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, H, stride_a, stride_b,
+                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    mask = (t < T)[:, None] & (h < H)[None, :]
+    a = tl.load(a_ptr + t[:, None] * stride_a + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t[:, None] * stride_b + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    alog = tl.load(alog_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+    x = a + dtb[None, :]
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (beta 1, threshold 20)
+    g = -tl.exp(alog)[None, :] * softplus
+    tl.store(g_ptr + t[:, None] * H + h[None, :], g, mask=mask)
+    tl.store(beta_ptr + t[:, None] * H + h[None, :], tl.sigmoid(b).to(beta_ptr.dtype.element_ty), mask=mask)
+
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -138,3 +155,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(4096, triton.next_power_of_2(D))
     _silu_mul_kernel[(R, triton.cdiv(D, block))](g2, u2, y, R, D, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4)
     return y
+
+
+def gdn_gates(a_TH: torch.Tensor, b_TH: torch.Tensor, A_log_H: torch.Tensor, dt_bias_H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDN decay and write strength in one launch: ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and
+    ``beta = sigmoid(b)`` (b's dtype); ``a``/``b`` may be column slices of the merged projection."""
+    T, H = a_TH.shape
+    if b_TH.shape != (T, H) or A_log_H.shape != (H,) or dt_bias_H.shape != (H,):
+        raise ValueError(f"gdn_gates: a {tuple(a_TH.shape)}, b {tuple(b_TH.shape)}, A_log {tuple(A_log_H.shape)}, "
+                         f"dt_bias {tuple(dt_bias_H.shape)}")
+    a2 = a_TH if a_TH.stride(-1) == 1 else a_TH.contiguous()
+    b2 = b_TH if b_TH.stride(-1) == 1 else b_TH.contiguous()
+    g = torch.empty(T, H, dtype=torch.float32, device=a_TH.device)
+    beta = torch.empty(T, H, dtype=b_TH.dtype, device=a_TH.device)
+    if T == 0:
+        return g, beta
+    block_h = triton.next_power_of_2(H)
+    block_t = max(1, 1024 // block_h)
+    _gdn_gates_kernel[(triton.cdiv(T, block_t),)](
+        a2, b2, A_log_H.contiguous(), dt_bias_H.contiguous(), g, beta, T, H, a2.stride(0), b2.stride(0),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return g, beta

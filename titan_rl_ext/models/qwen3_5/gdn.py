@@ -148,8 +148,7 @@ class GatedDeltaNet(nn.Module):
         q_THK = rows.l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
         k_THK = rows.l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
-        beta_TH = ops.sigmoid(b_TH.contiguous())
-        g_TH = -ops.exp(self.A_log.float()) * ops.softplus(a_TH.float() + self.dt_bias)
+        g_TH, beta_TH = rows.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias)
         o_THV, ssm_state = self.rule_kernel(
             q_THK, k_THK, v_THV, g_TH, beta_TH, batch,
             cfg.k_head_dim**-0.5, None if state is None else state.ssm,

@@ -51,7 +51,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     extra = {"gdn_prefill_backend": "triton", "mm_encoder_attn_backend": "TORCH_SDPA"} if native else {}
     llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16", language_model_only=True,
               **extra, attention_backend=args.attention_backend, enforce_eager=cfg in EAGER,
-              gpu_memory_utilization=args.gpu_mem, max_model_len=4096, max_num_seqs=max(args.batch_sizes),
+              gpu_memory_utilization=args.gpu_mem, max_model_len=4096,
+              # room for the prefill's N prompts too (a profile at B=1 alone would prefill one prompt per step)
+              max_num_seqs=max(*args.batch_sizes, int(args.prefill.split("x")[0])),
               enable_prefix_caching=False, seed=0)
     init_s = time.perf_counter() - t0
     served = llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]

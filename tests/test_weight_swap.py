@@ -204,15 +204,22 @@ def test_bad_push_rejected_and_weights_unchanged(server: Server, case: str) -> N
     _complete(server, [5, 6, 7], max_tokens=4)  # still serving
 
 
-def _fake_manifest(reference: dict[str, torch.Tensor], drop: str | None = None) -> dict[str, Any]:
-    """A structurally valid CUDA IPC manifest (the handles are never opened on a CPU server)."""
+def _fake_manifest(reference: dict[str, torch.Tensor], drop: str | None = None,
+                   forge: tuple[str, Any] | None = None) -> dict[str, Any]:
+    """A structurally valid CUDA IPC manifest (the handles are never opened on a CPU server); ``forge``
+    = (field, value) overwrites one field of the first tensor's entry."""
     from titan_rl_ext.wire.cuda_ipc import FORMAT
 
-    return {"format": FORMAT, "tensors": {
-        n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()), "offset": 0,
-            "device_uuid": "GPU-none", "handle": "b:", "storage_bytes": 0, "storage_offset_bytes": 0,
+    tensors = {
+        n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "stride": list(t.contiguous().stride()), "offset": 0,
+            "device_uuid": "GPU-none", "handle": "b:", "storage_bytes": t.numel() * t.element_size(),
+            "storage_offset_bytes": 0,
             "ref_counter_handle": None, "ref_counter_offset": 0, "event_handle": None, "event_sync_required": False}
-        for n, t in reference.items() if n != drop}}
+        for n, t in reference.items() if n != drop}
+    if forge is not None:
+        tensors[sorted(tensors)[0]][forge[0]] = forge[1]
+    return {"format": FORMAT, "tensors": tensors}
 
 
 def test_cuda_ipc_transport_checked_and_refused_on_cpu(server: Server) -> None:
@@ -226,6 +233,14 @@ def test_cuda_ipc_transport_checked_and_refused_on_cpu(server: Server) -> None:
         (json.dumps(_fake_manifest(server.reference, drop=name)).encode(), 422, name),
         (json.dumps(_fake_manifest(server.reference)).encode(), 400, "needs a generator on CUDA"),
     ]
+    # forged views: what torch's rebuild would trust (a view reaching past its storage reads memory the
+    # sender never shared) is refused before any handle is opened, naming the field
+    first = sorted(server.reference)[0]
+    contiguous = list(server.reference[first].contiguous().stride())
+    for field, value in (("stride", [x + 1 for x in contiguous]), ("offset", 7),
+                         ("storage_bytes", 2), ("storage_bytes", 1 << 40), ("storage_offset_bytes", -64),
+                         ("ref_counter_offset", "0"), ("handle", "raw-bytes"), ("event_sync_required", 1)):
+        cases.append((json.dumps(_fake_manifest(server.reference, forge=(field, value))).encode(), 400, field))
     for body, status, needle in cases:
         r = _push_raw(server, body, v + 1, transport="cuda_ipc")
         assert r.status_code == status, r.text

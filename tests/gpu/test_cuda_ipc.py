@@ -60,3 +60,24 @@ def test_cuda_ipc_refuses_cpu_tensors() -> None:
 
     with pytest.raises(ValueError, match="needs CUDA tensors; w is on cpu"):
         export_tensors({"w": torch.zeros(2)})
+
+
+def test_cuda_ipc_forged_manifest_refused_before_opening() -> None:
+    """A real manifest passes the checks; the same manifest with one tensor's view forged (stride, offset,
+    storage size) is refused before any handle is opened, naming the field. (Opening happens in another
+    process; the checks run first, so this process can exercise them on its own handles.)"""
+    import copy
+
+    from titan_rl_ext.wire.cuda_ipc import export_tensors, import_tensors, manifest_spec
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    base = torch.randn(64, 32, device="cuda", generator=g)
+    manifest, keep = export_tensors({"good": torch.randn(16, 8, device="cuda", generator=g), "view": base[8:40]})
+    assert set(manifest_spec(manifest)) == {"good", "view"}
+    assert manifest["tensors"]["view"]["offset"] == 0  # a view is exported as its own storage
+    for field, value in (("stride", [1, 32]), ("offset", 1), ("storage_bytes", 64 * 32 * 4 * 2)):
+        forged = copy.deepcopy(manifest)
+        forged["tensors"]["view"][field] = value
+        with pytest.raises(ValueError, match=f"view: {field}"):
+            import_tensors(forged)
+    del keep

@@ -54,6 +54,8 @@ def export_tensors(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, An
         if t.device.type != "cuda":
             raise ValueError(f"CUDA IPC transport needs CUDA tensors; {name} is on {t.device}")
         t = t.detach().contiguous()
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # the receiver accepts only a tensor that is its whole storage (see _check_entry)
         keep.append(t)
         _, args = reduce_tensor(t)
         (_, size, stride, offset, _, dtype, dev, handle, nbytes, off_bytes, _, rc_handle, rc_off, ev_handle, ev_sync) = args
@@ -77,14 +79,55 @@ def manifest_spec(manifest: Mapping[str, Any]) -> dict[str, tuple[torch.dtype, l
         raise ValueError("manifest 'tensors' must be an object of name -> entry")
     out = {}
     for name, e in tensors.items():
-        dtype = getattr(torch, str(e.get("dtype")), None) if isinstance(e, dict) else None
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
-        shape = e.get("shape")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise ValueError(f"{name}: shape must be a list of non-negative integers, got {shape!r}")
-        out[name] = (dtype, shape)
+        out[name] = _check_entry(name, e)
     return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_entry(name: str, e: Any) -> tuple[torch.dtype, list[int]]:
+    """Everything torch's rebuild would trust, checked: the tensor must be exactly its whole storage
+    (contiguous strides, element offset 0, storage bytes = numel x element size -- what ``export_tensors``
+    sends), offsets non-negative integers, handles in this module's encoding. A forged view reaching
+    beyond its storage would otherwise read (and copy into the model) memory the sender did not share."""
+    dtype = getattr(torch, str(e.get("dtype")), None) if isinstance(e, dict) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
+    shape = e.get("shape")
+    if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
+        raise ValueError(f"{name}: shape must be a list of non-negative integers, got {shape!r}")
+    contiguous = list(torch.empty(shape, device="meta").stride()) if shape else []
+    if e.get("stride") != contiguous:
+        raise ValueError(f"{name}: stride must be the contiguous {contiguous} for shape {shape}, got {e.get('stride')!r}")
+    if e.get("offset") != 0 or not _is_int(e.get("offset")):
+        raise ValueError(f"{name}: offset must be 0 (a tensor is its whole storage), got {e.get('offset')!r}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype, device="meta").element_size()
+    if e.get("storage_bytes") != nbytes or not _is_int(e.get("storage_bytes")):
+        raise ValueError(f"{name}: storage_bytes must be {nbytes} ({numel} x {dtype}), got {e.get('storage_bytes')!r}")
+    for field in ("storage_offset_bytes", "ref_counter_offset"):
+        if not (_is_int(e.get(field)) and e[field] >= 0):
+            raise ValueError(f"{name}: {field} must be a non-negative integer, got {e.get(field)!r}")
+    if not isinstance(e.get("device_uuid"), str):
+        raise ValueError(f"{name}: device_uuid must be a string")
+    if not isinstance(e.get("event_sync_required"), bool):
+        raise ValueError(f"{name}: event_sync_required must be true or false")
+    for field, required in (("handle", True), ("ref_counter_handle", False), ("event_handle", False)):
+        v = e.get(field)
+        if v is None and not required:
+            continue
+        if not (isinstance(v, str) and v[:2] in ("b:", "s:")):
+            raise ValueError(f"{name}: {field} must be an encoded handle ('b:<base64>' or 's:<text>'), got {v!r}")
+        if v.startswith("b:"):
+            try:
+                base64.b64decode(v[2:], validate=True)
+            except ValueError:
+                raise ValueError(f"{name}: {field} is not valid base64") from None
+    return dtype, shape
 
 
 def _local_device(uuid: str) -> int:

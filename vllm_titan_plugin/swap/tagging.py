@@ -31,6 +31,8 @@ from titan_rl_ext.wire.protocol import BOOT_HEADER, SALT_PREFIX, SPANS_FIELD, VE
 from vllm_titan_plugin import compat
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# every route that runs the model: refused (503) while the weights may be mixed after a failed push
+ALL_GENERATION_PATHS = GENERATION_PATHS + ("/v1/responses", "/inference/v1/generate", "/invocations")
 _MARK = "__titan_versions__"
 
 Scope = MutableMapping[str, Any]
@@ -137,7 +139,11 @@ class WeightVersionMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].rstrip("/").endswith(GENERATION_PATHS):
+        path = scope["path"].rstrip("/") if scope["type"] == "http" else ""
+        if (dirty := getattr(self.state, "dirty", None)) and path.endswith(ALL_GENERATION_PATHS):
+            await _send_json(send, 503, {"detail": f"weights unavailable: {dirty}"})  # body never read
+            return
+        if scope["type"] != "http" or not path.endswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
             return
         self.state.note_loop()
@@ -268,6 +274,13 @@ class _Annotator:
         for choice in data.get("choices") or ():
             choice[SPANS_FIELD] = self.cell.spans(int(choice.get("index", 0)))
         return json.dumps(data).encode()
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
 
 
 def _replay(first: list[Message], receive: Receive) -> Receive:

@@ -31,17 +31,18 @@ def worker_weight_spec(worker: Any) -> dict[str, list[Any]]:
 
 
 @torch.no_grad()
-def worker_load_weights(worker: Any, path: str) -> int:
+def worker_load_weights(worker: Any, path: str) -> int | dict[str, Any]:
     """Copy every tensor of the safetensors file at ``path`` into the parameter of the same titan name, in
-    place (the engine is paused). Names, shapes and dtypes are re-checked before the first copy, so a
-    mismatch never leaves a half-swapped model."""
+    place (the engine is paused). Names, shapes and dtypes are re-checked before the first copy: a mismatch
+    answers ``{"problems": ...}`` with nothing copied. An exception raised once copying has begun reaches
+    the route, which marks the server dirty (``routes._dirty_on_failure``)."""
     from safetensors import safe_open
 
     params = _titan_params(worker)
     with safe_open(path, framework="pt", device="cpu") as f:
         problems = spec_problems(_spec_of(params), file_spec(f))
         if problems:
-            raise ValueError("; ".join(problems))
+            return {"problems": problems, "tensors": [], "status": 422}
         for name, p in params.items():
             p.copy_(f.get_tensor(name))
     return len(params)
@@ -62,7 +63,11 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
     problems = spec_problems(_spec_of(params), manifest_spec(manifest))
     if problems:
         return {"problems": problems, "tensors": [], "status": 422}
-    tensors = import_tensors(manifest)
+    try:
+        tensors = import_tensors(manifest)
+    except Exception as e:  # before any copy: a clean refusal, the weights are whole
+        return {"problems": [f"could not open the CUDA IPC handles: {type(e).__name__}: {e}"], "tensors": [],
+                "status": 422}
     try:
         nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if nonfinite:

@@ -1,0 +1,167 @@
+"""Failures inside a swap leave the server in a state that cannot hand out wrong samples (issue 23, risks 5
+and 6). The routes' own swap and flip functions run against a stand-in engine client whose pause or
+worker copy fails the way vLLM's can; the tagging middleware answers for the server. (The same paths
+against a real server are still to do: making a real worker fail part-way needs a fault hook.)
+
+- Risk 6: vLLM marks the engine paused before the cache reset of ``pause_generation(clear_cache=True)``,
+  and that reset can raise. The swap (``mode=recompute``) and the BI switch must resume the engine anyway.
+- Risk 5: a worker that raises once it has started copying leaves weights that are neither version. The
+  server is then *dirty*: every generation route answers 503 (without reading the body), the version
+  endpoint says why, the version number stays, and the next full push clears it. A clean refusal (the
+  worker answered ``{"problems": ...}`` before copying) does not make it dirty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+
+class FakeEngine:
+    """An engine client; ``fail_pause``: the pause marks it paused then raises (a failing cache reset);
+    ``worker_answer``: what the weight copy does (an exception to raise, or a value to return)."""
+
+    def __init__(self, fail_pause: bool = False, worker_answer: Any = 3) -> None:
+        self.paused = False
+        self.fail_pause = fail_pause
+        self.worker_answer = worker_answer
+        self.worker_calls: list[str] = []
+        self.engine_core = SimpleNamespace(call_utility_async=self._utility)
+
+    async def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self.paused = True
+        if self.fail_pause:
+            raise RuntimeError("reset_prefix_cache failed")
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        self.worker_calls.append(method)
+        if isinstance(self.worker_answer, Exception):
+            raise self.worker_answer
+        return [self.worker_answer]
+
+    async def _utility(self, name: str, *args: Any) -> dict[str, int]:
+        return {"resalted": 0, "in_flight": 0}
+
+
+def _state(engine: FakeEngine) -> Any:
+    from vllm_titan_plugin.swap.routes import SwapState
+
+    app = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
+    return SwapState("token", app, engine_tags=False)
+
+
+def _swap(state: Any, version: int) -> Any:
+    from vllm_titan_plugin.swap import routes
+
+    return asyncio.run(routes._swap(state, "titan_load_weights", "/payload", version, keep_cache=False, pause=True))
+
+
+@pytest.fixture(autouse=True)
+def _no_flush_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_titan_plugin.swap import routes
+
+    monkeypatch.setattr(routes, "FLUSH_SECONDS", 0.0)
+
+
+def test_swap_resumes_after_a_failed_pause() -> None:
+    engine = FakeEngine(fail_pause=True)
+    state = _state(engine)
+    with pytest.raises(RuntimeError, match="reset_prefix_cache failed"):
+        _swap(state, 5)
+    assert not engine.paused, "engine left paused"
+    assert engine.worker_calls == [], "weights were copied although the pause failed"
+    assert state.version == 0 and state.dirty is None  # nothing copied: the weights are whole
+
+
+def test_batch_invariance_switch_resumes_after_a_failed_pause() -> None:
+    from vllm_titan_plugin.swap.routes import _flip_batch_invariant
+
+    engine = FakeEngine(fail_pause=True)
+    with pytest.raises(RuntimeError, match="reset_prefix_cache failed"):
+        asyncio.run(_flip_batch_invariant(_state(engine), True))
+    assert not engine.paused, "engine left paused"
+    assert engine.worker_calls == [], "BI flipped although the pause failed"
+
+
+async def _call(app: Any, path: str, body: bytes = b"{}") -> tuple[int, dict[str, Any], int]:
+    """One ASGI request; returns (status, JSON body, how many body messages the app read)."""
+    sent: list[dict[str, Any]] = []
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", str(len(body)).encode())]}
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(raw or b"{}"), reads
+
+
+async def _inner_app(scope: Any, receive: Any, send: Any) -> None:  # stands in for vLLM's routes
+    await receive()
+    raw = json.dumps({"served": scope["path"]}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def test_failed_copy_makes_the_server_dirty_until_a_full_push() -> None:
+    from vllm_titan_plugin.swap.tagging import ALL_GENERATION_PATHS, WeightVersionMiddleware
+
+    engine = FakeEngine(worker_answer=RuntimeError("CUDA error: out of memory (after 17 of 56 tensors)"))
+    state = _state(engine)
+    app = WeightVersionMiddleware(_inner_app, state)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _swap(state, 5)
+    assert not engine.paused and state.version == 0
+    assert state.dirty and "v5" in state.dirty and "out of memory" in state.dirty
+    for path in ALL_GENERATION_PATHS:  # every route that runs the model refuses, before reading the body
+        status, body, reads = asyncio.run(_call(app, path))
+        assert status == 503 and "weights unavailable" in body["detail"] and reads == 0, (path, status, body)
+    assert asyncio.run(_call(app, "/v1/models"))[0] == 200  # the rest of the server still answers
+    # a full push lands: clean again
+    engine.worker_answer = 56
+    _swap(state, 6)
+    assert state.version == 6 and state.dirty is None
+    status, body, _ = asyncio.run(_call(app, "/v1/completions"))
+    assert status == 200 and body == {"served": "/v1/completions"}
+
+
+def test_clean_refusal_is_not_dirty() -> None:
+    from vllm_titan_plugin.swap.routes import PushRejected
+
+    engine = FakeEngine(worker_answer={"problems": ["w: shape [2] vs [3]"], "tensors": ["w"], "status": 422})
+    state = _state(engine)
+    with pytest.raises(PushRejected):
+        _swap(state, 5)
+    assert state.dirty is None and state.version == 0 and not engine.paused
+
+
+def test_version_route_reports_dirty() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_titan_plugin.swap.routes import VERSION_ROUTE, make_router
+
+    state = _state(FakeEngine())
+    app = FastAPI()
+    app.include_router(make_router(state))
+    client = TestClient(app)
+    assert client.get(VERSION_ROUTE).json()["dirty"] is None
+    state.dirty = "push of v3 failed in a worker"
+    assert client.get(VERSION_ROUTE).json() == {"version": 0, "boot_id": state.boot_id, "push_port": None,
+                                                "dirty": "push of v3 failed in a worker"}

@@ -6,7 +6,7 @@ against a real server are still to do: making a real worker fail part-way needs 
 - Risk 6: vLLM marks the engine paused before the cache reset of ``pause_generation(clear_cache=True)``,
   and that reset can raise. The swap (``mode=recompute``) and the BI switch must resume the engine anyway.
 - Risk 5: a worker that raises once it has started copying leaves weights that are neither version. The
-  server is then *dirty*: every generation route answers 503 (without reading the body), the version
+  server is then *dirty*: the generation routes answer 503 (without reading the body), the version
   endpoint says why, the version number stays, and the next full push clears it. A clean refusal (the
   worker answered ``{"problems": ...}`` before copying) does not make it dirty.
 """
@@ -120,7 +120,7 @@ async def _inner_app(scope: Any, receive: Any, send: Any) -> None:  # stands in 
 
 
 def test_failed_copy_makes_the_server_dirty_until_a_full_push() -> None:
-    from vllm_titan_plugin.swap.tagging import ALL_GENERATION_PATHS, WeightVersionMiddleware
+    from vllm_titan_plugin.swap.tagging import ALL_GENERATION_PATHS, GENERATION_PATHS, WeightVersionMiddleware
 
     engine = FakeEngine(worker_answer=RuntimeError("CUDA error: out of memory (after 17 of 56 tensors)"))
     state = _state(engine)
@@ -129,9 +129,11 @@ def test_failed_copy_makes_the_server_dirty_until_a_full_push() -> None:
         _swap(state, 5)
     assert not engine.paused and state.version == 0
     assert state.dirty and "v5" in state.dirty and "out of memory" in state.dirty
-    for path in ALL_GENERATION_PATHS:  # every route that runs the model refuses, before reading the body
+    for path in GENERATION_PATHS:  # the routes that run the model refuse, before reading the body
         status, body, reads = asyncio.run(_call(app, path))
         assert status == 503 and "weights unavailable" in body["detail"] and reads == 0, (path, status, body)
+    for path in set(ALL_GENERATION_PATHS) - set(GENERATION_PATHS):  # untagged routes: refused dirty or not
+        assert asyncio.run(_call(app, path))[0] == 501
     assert asyncio.run(_call(app, "/v1/models"))[0] == 200  # the rest of the server still answers
     # a full push lands: clean again
     engine.worker_answer = 56

@@ -1,7 +1,8 @@
 """Weight push + in-place swap (``vllm_titan_plugin.swap``, ``titan_rl_ext.rl.weight_sync``).
 
 One real OpenAI API server (``python -m vllm.entrypoints.openai.api_server --model-impl titan``, tiny
-Qwen3.5, fp32, prefix caching on) serves the whole module with ``TITAN_SWAP_TOKEN`` set; the tests
+Qwen3.5, fp32, prefix caching on) serves the whole module with ``TITAN_SWAP_TOKEN`` set and vLLM's own
+API key (``VLLM_API_KEY``, as ``--api-key``) on its OpenAI routes; the tests
 share it, so each one reads the current weight version and checksums instead of assuming them. The
 "routes off" check builds vLLM's app without an engine in a subprocess (no second server).
 """
@@ -28,6 +29,8 @@ from titan_rl_ext.rl.weight_sync import WeightPusher, WeightPushError, checksum,
 pytestmark = pytest.mark.slow
 
 TOKEN = "titan-test-token-5f3c9a"  # checked to never appear in the server log
+API_KEY = "vllm-api-key-81d2"  # vLLM's --api-key (guards /v1/...): a different secret from the push token
+KEY = {"Authorization": f"Bearer {API_KEY}"}
 ROUTE = "/titan/v1/weights"
 SALT_PROMPT_LEN = 300  # > one prefix-cache block (256 tokens for the tiny hybrid model in align mode)
 # A stream long enough (~5 s on these CPUs) that the push lands mid-generation even when the client
@@ -52,7 +55,7 @@ def server(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     model_dir = tiny_ckpt("qwen3_5", layout="vlm")
     log_path = tmp_path_factory.mktemp("swap_server") / "server.log"
     extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    with openai_server(model_dir, log_path, 1024, extra, server_env(TITAN_SWAP_TOKEN=TOKEN)) as srv:
+    with openai_server(model_dir, log_path, 1024, extra, server_env(TITAN_SWAP_TOKEN=TOKEN, VLLM_API_KEY=API_KEY)) as srv:
         srv.wait_ready()
         model, _ = load_hf_model(model_dir)
         ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -82,7 +85,7 @@ def _complete(s: Server, prompt: list[int] | list[list[int]], max_tokens: int = 
 
     body = {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, **extra}
-    r = requests.post(f"{s.base}/v1/completions", json=body, timeout=120)
+    r = requests.post(f"{s.base}/v1/completions", json=body, headers=KEY, timeout=120)
     assert r.status_code == 200, r.text
     return r
 
@@ -331,7 +334,7 @@ def _stream_across_push(server: Server, mode: str, delay_s: float,
 
     async def read(client: httpx.AsyncClient) -> list[dict[str, Any]]:
         chunks: list[dict[str, Any]] = []
-        async with client.stream("POST", f"{server.base}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{server.base}/v1/completions", json=body, headers=KEY) as r:
             assert r.status_code == 200, await r.aread()
             async for line in sse_lines(r.aiter_bytes()):
                 item = parse_sse_line(line)
@@ -407,10 +410,11 @@ def test_chat_completion_carries_version(server: Server) -> None:
     import requests
 
     body = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    r = requests.post(f"{server.base}/v1/chat/completions", json=body, timeout=60)
+    r = requests.post(f"{server.base}/v1/chat/completions", json=body, headers=KEY, timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers["x-titan-weight-version"] == str(_version(server))
-    with requests.post(f"{server.base}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+    with requests.post(f"{server.base}/v1/chat/completions", json={**body, "stream": True}, stream=True, headers=KEY,
+                       timeout=60) as r:
         data = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
     assert data and all(c["titan_weight_version"] == _version(server) for c in data)
 
@@ -437,6 +441,40 @@ def test_sse_annotation_splices_a_valid_field() -> None:
     assert _annotate_event(b": keep-alive", 3) == b": keep-alive"
 
 
+def _raw_post(server: Server, path: str, headers: dict[str, str], timeout: float = 5.0) -> str:
+    """Send only the request head of a POST announcing a 1 GB body (no body follows); the status line of the
+    answer, or "" if none came within ``timeout`` (the server is waiting for the body)."""
+    import socket
+
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "x", "Content-Type": "application/json",
+                                                  "Content-Length": str(1 << 30), **headers}.items())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode())
+        try:
+            return sock.recv(4096).decode(errors="replace").split("\r\n")[0]
+        except TimeoutError:
+            return ""
+
+
+def test_api_key_checked_before_any_body_is_read(server: Server) -> None:
+    """vLLM's --api-key check runs before the version middleware buffers a body: a request without the key
+    (or with the push token instead) announcing 1 GB is answered 401 at once, not left reading."""
+    t0 = time.time()
+    for headers in ({}, _auth(), {"Authorization": "Bearer nope"}):
+        assert " 401 " in _raw_post(server, "/v1/completions", headers) + " ", headers
+    assert time.time() - t0 < 10
+    _complete(server, [5, 6, 7], max_tokens=2)  # with the key: served
+
+
+def test_untagged_generation_routes_refused(server: Server) -> None:
+    """Routes that would run the model without a version salt or tags answer 501 while pushes are on."""
+    import requests
+
+    for path in ("/v1/responses", "/inference/v1/generate", "/invocations"):
+        r = requests.post(f"{server.base}{path}", json={"model": server.model, "input": "hi"}, headers=KEY, timeout=30)
+        assert r.status_code == 501 and "not version-tagged" in r.json()["detail"], (path, r.status_code, r.text)
+
+
 def test_token_never_logged(server: Server) -> None:
     assert TOKEN not in server.log.read_text()
 
@@ -453,7 +491,7 @@ def test_batch_invariance_switch_on_the_generator(server: Server) -> None:
     outs = {}
     for enabled in (True, False, True):
         server.pusher.set_batch_invariant(enabled)
-        r = requests.post(f"{server.base}/v1/completions", json=prompt, timeout=120)
+        r = requests.post(f"{server.base}/v1/completions", json=prompt, headers=KEY, timeout=120)
         assert r.status_code == 200, r.text
         outs.setdefault(enabled, []).append(r.json()["choices"][0]["logprobs"]["token_logprobs"])
     assert outs[True][0] == outs[True][1]  # BI results reproduce exactly after switching back

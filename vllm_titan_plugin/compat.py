@@ -221,17 +221,17 @@ def worker_model(worker: Any) -> torch.nn.Module:
 
 
 def add_asgi_middleware(app: Any, middleware_cls: type, **options: Any) -> None:
-    """Add an outermost user middleware to vLLM's FastAPI app. vLLM 0.32's ``build_app`` ends with
+    """Add an *innermost* user middleware to vLLM's FastAPI app: it runs after vLLM's own (CORS, and the
+    ``--api-key`` / ``VLLM_API_KEY`` check, serve/middleware/register.py:36), so a request is authenticated
+    before this middleware reads a byte of its body. vLLM 0.32's ``build_app`` ends with
     ``sagemaker_standards_bootstrap`` (launchers/app.py:55), which already builds the middleware stack
     (model_hosting_container_standards .../middleware/core.py:99), after which Starlette refuses
-    ``add_middleware``; so insert and rebuild the stack the same way."""
+    ``add_middleware``; so append and rebuild the stack the same way."""
     from starlette.middleware import Middleware
 
-    if getattr(app, "middleware_stack", None) is None:
-        app.add_middleware(middleware_cls, **options)
-        return
-    app.user_middleware.insert(0, Middleware(middleware_cls, **options))
-    app.middleware_stack = app.build_middleware_stack()
+    app.user_middleware.append(Middleware(middleware_cls, **options))  # Starlette's list runs outermost first
+    if getattr(app, "middleware_stack", None) is not None:
+        app.middleware_stack = app.build_middleware_stack()
 
 
 # -- weight versions carried by the engine (vllm_titan_plugin.swap.engine / .tagging) --------------------

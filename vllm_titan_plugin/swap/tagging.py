@@ -1,7 +1,10 @@
 """Version tags on the OpenAI routes: the cache salt a request arrives with, and the weight version of
 every token it gets back.
 
-A middleware on ``/v1/completions`` and ``/v1/chat/completions``:
+A middleware on ``/v1/completions`` and ``/v1/chat/completions`` (vLLM's other generation routes --
+``/v1/responses``, ``/inference/v1/generate``, ``/invocations`` -- answer 501 while pushes are enabled:
+they would run without a version salt or tags). It sits inside vLLM's own middlewares, so ``--api-key``
+is checked before it reads a body. It:
 
 - injects ``cache_salt="titan-v<N>"`` unless the client set one (the engine core re-salts it if the
   weights change before it is scheduled: ``swap.engine``);
@@ -31,7 +34,7 @@ from titan_rl_ext.wire.protocol import BOOT_HEADER, SALT_PREFIX, SPANS_FIELD, VE
 from vllm_titan_plugin import compat
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# every route that runs the model: refused (503) while the weights may be mixed after a failed push
+# every route that runs the model; the ones beyond GENERATION_PATHS carry no salt or tags and are refused
 ALL_GENERATION_PATHS = GENERATION_PATHS + ("/v1/responses", "/inference/v1/generate", "/invocations")
 _MARK = "__titan_versions__"
 
@@ -140,7 +143,13 @@ class WeightVersionMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"].rstrip("/") if scope["type"] == "http" else ""
-        if (dirty := getattr(self.state, "dirty", None)) and path.endswith(ALL_GENERATION_PATHS):
+        if path.endswith(ALL_GENERATION_PATHS) and not path.endswith(GENERATION_PATHS):
+            # these routes would run the model without a per-version cache salt (their prefills could reuse
+            # blocks computed by other weights) and without version tags: refused while pushes are on
+            await _send_json(send, 501, {"detail": f"{path} is not version-tagged while titan weight pushes are "
+                                                   f"enabled; use {' or '.join(GENERATION_PATHS)}"})
+            return
+        if (dirty := getattr(self.state, "dirty", None)) and path.endswith(GENERATION_PATHS):
             await _send_json(send, 503, {"detail": f"weights unavailable: {dirty}"})  # body never read
             return
         if scope["type"] != "http" or not path.endswith(GENERATION_PATHS):

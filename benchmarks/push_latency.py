@@ -104,7 +104,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="push-latency-"))
     model_dir = make_tiny("qwen3_5", work / "ckpt", seed=0, layout="vlm", tie=False)
-    env = server_env({"HF_HUB_OFFLINE": "1", "TITAN_SWAP_TOKEN": TOKEN, "TITAN_BATCH_INVARIANT": "1"})
+    env = server_env({"HF_HUB_OFFLINE": "1", "TITAN_SWAP_TOKEN": TOKEN, "TITAN_BATCH_INVARIANT": "1",
+                      "TITAN_SWAP_PORT": "0"})
     results: dict[str, Any] = {"benchmark": "push_latency", "device": "cpu", "cpus": os.cpu_count(),
                                "streams": args.streams, **git_state()}
     with GeneratorServer(model_dir, work / "server.log", ["--dtype", "float32", "--max-model-len", "512",

@@ -340,7 +340,13 @@ def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None
     warm = complete()
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the cache works for this prompt
 
-    r = requests.post(f"{base}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
+    # vLLM's dev routes need the push token while pushes are on (without it: 401, nothing paused)
+    assert requests.post(f"{base}/pause", params={"mode": "keep"}, timeout=60).status_code == 401
+    assert requests.post(f"{base}/collective_rpc", json={"method": "titan_weight_checksums"}, timeout=60).status_code == 401
+    assert requests.get(f"{base}/is_paused", timeout=60).status_code == 401
+    dev = {"Authorization": f"Bearer {TOKEN}"}
+    assert requests.get(f"{base}/is_paused", headers=dev, timeout=60).json()["is_paused"] is False
+    r = requests.post(f"{base}/pause", params={"mode": "keep", "clear_cache": "false"}, headers=dev, timeout=60)
     assert r.status_code == 200, r.text
     waiting: dict[str, Any] = {}
     t = threading.Thread(target=lambda: waiting.update(complete()))
@@ -351,7 +357,7 @@ def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None
     fl.weights[new] = _scaled(fl.reference, new)
     WeightPusher([url], TOKEN).push(fl.weights[new], new, mode="keep")  # between two engine steps
     assert not waiting, "the request ran before the scheduler was resumed"
-    r = requests.post(f"{base}/resume", timeout=60)  # the operator's pause is left to the operator
+    r = requests.post(f"{base}/resume", headers=dev, timeout=60)  # the operator's pause is left to the operator
     assert r.status_code == 200, r.text
     t.join(120)
     assert waiting, "the waiting request never finished"

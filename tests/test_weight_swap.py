@@ -55,7 +55,8 @@ def server(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     model_dir = tiny_ckpt("qwen3_5", layout="vlm")
     log_path = tmp_path_factory.mktemp("swap_server") / "server.log"
     extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    with openai_server(model_dir, log_path, 1024, extra, server_env(TITAN_SWAP_TOKEN=TOKEN, VLLM_API_KEY=API_KEY)) as srv:
+    with openai_server(model_dir, log_path, 1024, extra, server_env(TITAN_SWAP_TOKEN=TOKEN, VLLM_API_KEY=API_KEY,
+                                                                 TITAN_SWAP_PORT="0")) as srv:
         srv.wait_ready()
         model, _ = load_hf_model(model_dir)
         ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -473,6 +474,44 @@ def test_untagged_generation_routes_refused(server: Server) -> None:
     for path in ("/v1/responses", "/inference/v1/generate", "/invocations"):
         r = requests.post(f"{server.base}{path}", json={"model": server.model, "input": "hi"}, headers=KEY, timeout=30)
         assert r.status_code == 501 and "not version-tagged" in r.json()["detail"], (path, r.status_code, r.text)
+
+
+def test_token_goes_only_to_this_boots_listener(server: Server) -> None:
+    """A pusher that cached a listener which now answers with another boot id (the server restarted and
+    another process holds the old port) discovers the server's listener again: the stale one never sees
+    the token, and the push lands."""
+    import http.server
+    import threading
+
+    seen: list[str | None] = []
+
+    class Stranger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps({"version": 0, "boot_id": "someone-else"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    stranger = http.server.HTTPServer(("127.0.0.1", 0), Stranger)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    try:
+        pusher = WeightPusher([server.base], TOKEN)
+        real = pusher.push_url(server.base)
+        assert real != server.base  # the listener was asked for (TITAN_SWAP_PORT=0) and verified
+        boot = pusher._push_urls[server.base][0]
+        pusher._push_urls[server.base] = (boot, f"http://127.0.0.1:{stranger.server_port}")  # as after a restart
+        pusher.push(server.reference, _version(server) + 1)
+        assert pusher._push_urls[server.base] == (boot, real)
+        assert seen and all(h is None for h in seen), seen  # asked who it is, never given the token
+    finally:
+        stranger.shutdown()
 
 
 def test_token_never_logged(server: Server) -> None:

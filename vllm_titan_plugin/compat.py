@@ -220,6 +220,35 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return worker.get_model()
 
 
+def dev_mode_paths() -> frozenset[str]:
+    """The paths of vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/collective_rpc``,
+    ``/update_weights`` ...), empty when dev mode is off. Read from vLLM's own registration functions on a
+    scratch app (routers.py:40), so a release that adds a route is covered without a list kept here."""
+    from fastapi import FastAPI
+    from vllm import envs
+
+    if not envs.VLLM_SERVER_DEV_MODE:
+        return frozenset()
+    import importlib
+
+    scratch = FastAPI()
+    defaults = {r.path for r in scratch.routes}  # /docs, /openapi.json, ...
+    found = []
+    for module, fn in (("vllm.entrypoints.serve", "register_vllm_dev_api_routers"),
+                       ("vllm.entrypoints.rl.factories", "register_rl_api_routers")):
+        try:
+            register = getattr(importlib.import_module(module), fn)
+        except (ImportError, AttributeError):
+            continue  # not in this release
+        register(scratch)
+        found.append(fn)
+    paths = frozenset(r.path for r in scratch.routes if r.path not in defaults)
+    if not paths:  # fail closed: unguarded dev routes next to weight pushes
+        raise RuntimeError("VLLM_SERVER_DEV_MODE is on with TITAN_SWAP_TOKEN, and this vLLM's dev routes could not "
+                           "be listed to guard them; unset one of the two")
+    return paths
+
+
 def add_asgi_middleware(app: Any, middleware_cls: type, **options: Any) -> None:
     """Add an *innermost* user middleware to vLLM's FastAPI app: it runs after vLLM's own (CORS, and the
     ``--api-key`` / ``VLLM_API_KEY`` check, serve/middleware/register.py:36), so a request is authenticated

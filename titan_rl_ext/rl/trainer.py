@@ -68,7 +68,7 @@ from titan_rl_ext.rl.config import LOSSES, RLConfig, config_dict
 from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, load_eval_items, load_prompts
 from titan_rl_ext.rl.rollout_service import RolloutService
 from titan_rl_ext.rl.stale_gap import StaleGap
-from titan_rl_ext.wire.protocol import TOKEN_ENV, VERSION_ROUTE
+from titan_rl_ext.wire.protocol import SWAP_PORT_ENV, TOKEN_ENV, VERSION_ROUTE
 
 if TYPE_CHECKING:
     from titan_rl_ext.rl.fleet import FleetPush
@@ -192,7 +192,8 @@ class RLTrainer(Trainer):
             token = token or secrets.token_hex(16)
             from titan_rl_ext.rl.generator_server import GeneratorServer
 
-            env = {TOKEN_ENV: token, BI_ENV: "1" if self._bi_at(self.step) else "0"}
+            # the generator we start is ours: its weights listener (a free loopback port) is asked for here
+            env = {TOKEN_ENV: token, SWAP_PORT_ENV: "0", BI_ENV: "1" if self._bi_at(self.step) else "0"}
             self._generator_bi = self._bi_at(self.step)
             self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env)
             self._server.wait_ready(rl.server_boot_timeout_s)

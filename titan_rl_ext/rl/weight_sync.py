@@ -54,7 +54,7 @@ class WeightPusher:
         self.transport = transport
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
         self.timeout_s = timeout_s
-        self._push_urls: dict[str, str] = {}  # server URL -> where its weights listener answers
+        self._push_urls: dict[str, tuple[str, str]] = {}  # server URL -> (its boot id, where its pushes go)
         self.use_listener = use_listener  # False: push through the OpenAI port (what a listener-less server has)
         self.pause = pause  # True: the servers pause their scheduler around the copy (the long way)
 
@@ -122,29 +122,56 @@ class WeightPusher:
 
     def push_url(self, url: str) -> str:
         """Where to send ``url``'s pushes: its weights listener (``push_port`` of its version route), so a
-        push does not queue behind the OpenAI routes; the server URL itself when it runs none."""
-        import urllib.parse
-
-        import requests
-
+        push does not queue behind the OpenAI routes; the server URL itself when it runs none. The token
+        goes only to a listener that answered with the boot id of the server at ``url``: after a restart
+        the old port may belong to another process. A known listener is re-checked on every push (on its
+        own port, which a busy OpenAI loop does not delay); a changed boot starts discovery over."""
         if not self.use_listener:
             return url
-        if url not in self._push_urls:
-            port = None
-            try:
-                r = requests.get(f"{url}{VERSION_ROUTE}", timeout=min(self.timeout_s, 30.0))
-                if r.status_code == 200:
-                    port = r.json().get(PUSH_PORT_FIELD)
-            except (requests.RequestException, ValueError):
-                return url  # unreachable now: asked again next time
-            if port:
-                parts = urllib.parse.urlsplit(url)
-                host = parts.hostname or "localhost"
-                host = f"[{host}]" if ":" in host else host
-                self._push_urls[url] = urllib.parse.urlunsplit((parts.scheme, f"{host}:{int(port)}", "", "", ""))
-            else:
-                self._push_urls[url] = url
-        return self._push_urls[url]
+        cached = self._push_urls.get(url)
+        if cached is not None and cached[1] != url and self._boot_at(cached[1]) == cached[0]:
+            return cached[1]
+        boot, port = self._discover(url)
+        target = url
+        if boot is not None and port:
+            candidate = self._listener_url(url, int(port))
+            if self._boot_at(candidate) == boot:
+                target = candidate
+        if boot is None:
+            self._push_urls.pop(url, None)  # unreachable now: asked again next time
+        else:
+            self._push_urls[url] = (boot, target)
+        return target
+
+    def _discover(self, url: str) -> tuple[str | None, Any]:
+        """(boot id, push port) from the server's version route; (None, None) when it cannot say."""
+        import requests
+
+        try:
+            r = requests.get(f"{url}{VERSION_ROUTE}", timeout=min(self.timeout_s, 30.0))
+            doc = r.json() if r.status_code == 200 else {}
+        except (requests.RequestException, ValueError):
+            return None, None
+        return doc.get("boot_id"), doc.get(PUSH_PORT_FIELD)
+
+    def _boot_at(self, base: str) -> str | None:
+        """The boot id the version route at ``base`` reports (no token is sent), or None."""
+        import requests
+
+        try:
+            r = requests.get(f"{base}{VERSION_ROUTE}", timeout=min(self.timeout_s, 10.0))
+            return r.json().get("boot_id") if r.status_code == 200 else None
+        except (requests.RequestException, ValueError, AttributeError):
+            return None
+
+    @staticmethod
+    def _listener_url(url: str, port: int) -> str:
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or "localhost"
+        host = f"[{host}]" if ":" in host else host
+        return urllib.parse.urlunsplit((parts.scheme, f"{host}:{port}", "", "", ""))
 
     def _post(self, url: str, payload: bytes, params: dict[str, str]) -> dict[str, Any]:
         import requests

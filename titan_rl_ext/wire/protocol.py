@@ -19,6 +19,10 @@ VERSION_FIELD = "titan_weight_version"
 SPANS_FIELD = "titan_weight_spans"
 """Key of each finished choice: ``[[version, start, end], ...]`` over its output-token indexes, as the engine
 core stamped its outputs. Authoritative where present; a chunk's ``VERSION_FIELD`` is the fallback."""
+SWAP_PORT_ENV = "TITAN_SWAP_PORT"
+"""The server's own weights listener: unset or ``off`` (the default) none -- pushes go to the OpenAI port;
+``0`` any free port; ``N`` that port. Opened only when asked for (bound where the API server binds; loopback
+when it serves a Unix socket only)."""
 PUSH_PORT_FIELD = "push_port"
 """Field of the version route's answer: the port of the server's own weights listener (absent or null when
 it runs none); pushers send there so a busy OpenAI event loop cannot delay a push."""

@@ -7,7 +7,8 @@ On only when ``TITAN_SWAP_TOKEN`` is set. The concerns, one file each:
 - ``validate``: what a payload must satisfy before any weight changes;
 - ``worker``: the methods the workers gain (copy in place, checksums, BI switch);
 - ``engine``: the engine core's weight version (stamped on its outputs) and the re-salt of waiting requests;
-- ``tagging``: the OpenAI middleware (cache salt in, per-token versions out).
+- ``tagging``: the OpenAI middleware (cache salt in, per-token versions out);
+- ``guard``: vLLM's dev-mode routes (``/pause``, ``/collective_rpc``, ...) behind the push token.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def _attach(app: Any, args: Any = None) -> Any:
     app.state.titan_swap = state
     app.include_router(make_router(state))
     compat.add_asgi_middleware(app, tagging.WeightVersionMiddleware, state=state)
+    if dev_paths := compat.dev_mode_paths():
+        from vllm_titan_plugin.swap.guard import DevRoutesGuard
+
+        compat.add_asgi_middleware(app, DevRoutesGuard, state=state, paths=dev_paths)
+        logger.info("titan: vLLM's dev routes (%d) need the push token while pushes are on", len(dev_paths))
     if port is not None:
-        state.push_port = listener.start(state, getattr(args, "host", None), port)
+        state.push_port = listener.start(state, args, port)
     if not engine_tags:
         logger.warning("titan weight versions: this vLLM does not stamp engine outputs with a weight version; "
                        "chunks are tagged with the version current when they leave the API server")

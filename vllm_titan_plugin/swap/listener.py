@@ -5,9 +5,12 @@ waits behind them (0.2–2 s here, ~12 s on a 2-core CI machine) before its body
 listener a push is received and validated without that loop; only the engine calls (pause, copy in the
 workers, set the version, resume) hop over to it (``SwapState.on_engine_loop``), a handful of turns.
 
-Port: ``TITAN_SWAP_PORT`` (default: a free one; ``off``: no listener, the routes stay on the OpenAI app
-only, as they always are). The OpenAI app's version route advertises the port as ``push_port``, and
-``WeightPusher`` sends there.
+Port: ``TITAN_SWAP_PORT`` -- unset or ``off`` (the default): no listener, the routes stay on the OpenAI app
+only (a server opens no TCP port its operator did not ask for); ``0``: a free port; ``N``: that port. The
+listener binds where the API server binds (all interfaces when vLLM was given no ``--host``, as vLLM does;
+loopback when vLLM serves a Unix socket only), and serves TLS with the API server's certificate under
+``--ssl-certfile``. The OpenAI app's version route advertises the port as ``push_port``, and
+``WeightPusher`` sends there once it has checked the listener belongs to the same server boot.
 """
 
 from __future__ import annotations
@@ -19,32 +22,42 @@ import socket
 import threading
 from typing import Any
 
+from titan_rl_ext.wire.protocol import SWAP_PORT_ENV
+
 logger = logging.getLogger("vllm.titan_plugin")
 
-PORT_ENV = "TITAN_SWAP_PORT"
+PORT_ENV = SWAP_PORT_ENV
 
 
 def wanted_port() -> int | None:
-    """The port asked for (0: any free one), or None for no listener. A bad value stops start-up."""
+    """The port asked for (0: any free one), or None for no listener (unset or "off"). A bad value stops
+    start-up."""
     raw = os.environ.get(PORT_ENV, "").strip().lower()
-    if raw == "off":
+    if raw in ("", "off"):
         return None
-    if not raw:
-        return 0
     if not raw.isdigit() or not 0 <= int(raw) < 65536:
         raise ValueError(f"{PORT_ENV} must be a TCP port number or 'off', got {raw!r}")
     return int(raw)
 
 
-def start(state: Any, host: str | None, port: int) -> int:
-    """Bind ``host:port`` now (so a taken port fails at start-up, naming it) and serve the push routes
-    from a daemon thread. Returns the bound port."""
+def bind_host(args: Any) -> str:
+    """Where the listener binds: the API server's ``--host``; all interfaces when it has none (vLLM then
+    listens on all of them too); loopback when vLLM serves a Unix socket only (``--uds``: it opens no TCP
+    port, so the only TCP port is the one asked for here, and it stays on this machine)."""
+    if getattr(args, "uds", None):
+        return "127.0.0.1"
+    return getattr(args, "host", None) or "0.0.0.0"
+
+
+def start(state: Any, args: Any, port: int) -> int:
+    """Bind the listener now (so a taken port fails at start-up, naming it) and serve the push routes from
+    a daemon thread, with TLS when the API server has it. Returns the bound port."""
     import uvicorn
     from fastapi import FastAPI
 
     from vllm_titan_plugin.swap.routes import make_router
 
-    host = host or "0.0.0.0"
+    host = bind_host(args)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,8 +72,12 @@ def start(state: Any, host: str | None, port: int) -> int:
 
     app = FastAPI(title="titan weights listener", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(make_router(state))
-    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", lifespan="off", log_level="warning",
-                                           access_log=False))
+    tls = {k: getattr(args, k) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs")
+           if getattr(args, k, None) is not None}
+    config = uvicorn.Config(app, loop="asyncio", lifespan="off", log_level="warning", access_log=False, **tls)
+    if tls.get("ssl_certfile"):
+        config.load()  # builds the SSL context now: a bad certificate stops start-up here
+    server = uvicorn.Server(config)
 
     def run() -> None:
         loop = asyncio.new_event_loop()

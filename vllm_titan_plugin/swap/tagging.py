@@ -146,11 +146,11 @@ class WeightVersionMiddleware:
         if path.endswith(ALL_GENERATION_PATHS) and not path.endswith(GENERATION_PATHS):
             # these routes would run the model without a per-version cache salt (their prefills could reuse
             # blocks computed by other weights) and without version tags: refused while pushes are on
-            await _send_json(send, 501, {"detail": f"{path} is not version-tagged while titan weight pushes are "
+            await send_json(send, 501, {"detail": f"{path} is not version-tagged while titan weight pushes are "
                                                    f"enabled; use {' or '.join(GENERATION_PATHS)}"})
             return
         if (dirty := getattr(self.state, "dirty", None)) and path.endswith(GENERATION_PATHS):
-            await _send_json(send, 503, {"detail": f"weights unavailable: {dirty}"})  # body never read
+            await send_json(send, 503, {"detail": f"weights unavailable: {dirty}"})  # body never read
             return
         if scope["type"] != "http" or not path.endswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
@@ -285,7 +285,7 @@ class _Annotator:
         return json.dumps(data).encode()
 
 
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     raw = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})

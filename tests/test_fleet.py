@@ -99,11 +99,11 @@ class Proxy:
                     doc = json.loads(data)
                     doc.pop("push_port", None)
                     data = json.dumps(doc).encode()
+                if is_push:  # recorded before the answer leaves: the pusher may read it as soon as it has one
+                    proxy.pushes.append(time.perf_counter() - t0)
                 self._reply(r.status, data, r.getheader("content-type", ""),
                             [(k, v) for k, v in r.getheaders() if k.lower() not in HOP | {"content-type"}])
                 conn.close()
-                if is_push:
-                    proxy.pushes.append(time.perf_counter() - t0)
 
             def _reply(self, status: int, data: bytes, ctype: str, headers: list[tuple[str, str]] = ()) -> None:
                 self.send_response(status)

@@ -80,9 +80,14 @@ def test_tokens_of_a_push_in_flight_are_admitted() -> None:
 
 
 class FakeClient:
+    """``fail``: the server is down (requests and probes refused); ``timeouts``: the next N requests time out
+    while the server itself answers its version route (a slow request, not a dead server)."""
+
     def __init__(self, name: str, boot: str, version: int, fail: bool = False) -> None:
         self.name, self.boot, self.version, self.fail, self.calls = name, boot, version, fail, 0
         self.status: int | None = None
+        self.timeouts = 0
+        self.dirty: str | None = None
 
     async def generate(self, prompt_ids: Any, sampling: Any) -> Generation:
         self.calls += 1
@@ -90,7 +95,13 @@ class FakeClient:
             raise GenerationError(f"HTTP {self.status}", self.status)
         if self.fail:
             raise httpx.ConnectError("refused")
+        if self.timeouts:
+            self.timeouts -= 1
+            raise httpx.ReadTimeout("read timed out")
         return _gen(self.name, self.boot, [self.version] * 3)
+
+    async def server_state(self) -> dict[str, Any] | None:
+        return None if self.fail else {"version": self.version, "boot_id": self.boot, "dirty": self.dirty}
 
 
 def test_fleet_client_retries_elsewhere_and_marks_servers_out() -> None:
@@ -117,3 +128,69 @@ def test_versions_from_spans_must_tile_the_tokens() -> None:
     for bad, n in (([[3, 0, 2]], 3), ([[3, 1, 3]], 3), ([[3, 0, 2], [4, 1, 3]], 3), ([[3, 0]], 0)):
         with pytest.raises(GenerationError):
             versions_from_spans(bad, n)
+
+
+SAMPLING3 = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=3)
+
+
+def test_a_read_timeout_is_the_requests_fault_when_the_server_answers() -> None:
+    """Issue 23, risk 7: one slow request must not empty the pool. A single generator whose request times
+    out, while the same process still answers, stays in; the retry on it succeeds."""
+    f = GeneratorFleet(FakePusher(["a"]))  # type: ignore[arg-type]
+    f.push({}, 1)
+    client = FakeClient("a", "boot-a", 1)
+    client.timeouts = 1
+    fc = FleetClient(f, {"a": client}, wait_s=1)
+    gen = asyncio.run(fc.generate([1, 2], SAMPLING3))
+    assert gen.server == "a" and f.live() == ["a"] and client.calls == 2
+
+
+def test_unreachable_server_is_probed_back_in() -> None:
+    f, _ = _fleet()
+    f.push({}, 1)
+    clients = {u: FakeClient(u, f"boot-{u}", 1) for u in "abc"}
+    clients["a"].fail = True
+    fc = FleetClient(f, clients, wait_s=1, probe_every_s=0.0)
+    for _ in range(3):
+        asyncio.run(fc.generate([1, 2], SAMPLING3))
+    assert "a" not in f.live() and f.probeable() == ["a"]
+    clients["a"].fail = False  # it answers again, same process: back at the next pick
+    gens = [asyncio.run(fc.generate([1, 2], SAMPLING3)) for _ in range(6)]
+    assert "a" in f.live() and "a" in {g.server for g in gens}
+
+
+def test_restarted_or_dirty_server_waits_for_a_push() -> None:
+    f, p = _fleet()
+    f.push({}, 1)
+    clients = {u: FakeClient(u, f"boot-{u}", 1) for u in "abc"}
+    fc = FleetClient(f, clients, wait_s=1, probe_every_s=0.0)
+    clients["a"].timeouts, clients["a"].boot = 1, "new-boot"  # restarted behind the same address
+    clients["b"].timeouts, clients["b"].dirty = 1, "push of v2 failed in a worker"
+    for _ in range(6):
+        asyncio.run(fc.generate([1, 2], SAMPLING3))
+    assert f.live() == ["c"] and f.probeable() == []  # neither is probed back: their weights are not v1's
+    p.answers["a"] = {"url": "a", "ok": True, "status": 200, "response": {"version": 2, "boot_id": "new-boot"}}
+    assert sorted(f.push({}, 2).live) == ["a", "b", "c"]
+
+
+def test_generator_client_server_state() -> None:
+    """The probe the fleet uses: the version route's answer, or None when the server does not give one."""
+    from titan_rl_ext.rl.rollout import GeneratorClient
+
+    answers = {"up": httpx.Response(200, json={"version": 3, "boot_id": "b1", "dirty": None}),
+               "err": httpx.Response(500, text="boom")}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "down":
+            raise httpx.ConnectError("refused")
+        return answers[request.url.host]
+
+    async def ask(host: str) -> Any:
+        client = GeneratorClient(f"http://{host}", "m", http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+        try:
+            return await client.server_state()
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(ask("up")) == {"version": 3, "boot_id": "b1", "dirty": None}
+    assert asyncio.run(ask("err")) is None and asyncio.run(ask("down")) is None

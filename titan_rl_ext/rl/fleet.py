@@ -39,6 +39,9 @@ class Member:
     boot_id: str | None = None  # the server process that confirmed ``versions``
     versions: set[int] = field(default_factory=set)  # versions pushed to (or verified on) that process
     reason: str = "not pushed yet"  # why it is out of the pool
+    # out after a failed request only (not a failed push, a restart or a foreign version): a probe that finds
+    # the same process serving whole weights brings it back
+    probe: bool = False
 
 
 @dataclass
@@ -96,12 +99,12 @@ class GeneratorFleet:
                     boot = r["response"].get("boot_id")
                     if boot != m.boot_id:  # a new process: what the old one was given does not carry over
                         m.versions = set()
-                    m.live, m.boot_id, m.reason = True, boot, ""
+                    m.live, m.boot_id, m.reason, m.probe = True, boot, "", False
                     m.versions.add(int(version))
                     live.append(m.url)
                     responses[m.url] = r["response"]
                 else:
-                    m.live = False
+                    m.live, m.probe = False, False  # it may hold another version now: back only by a push
                     m.reason = f"push v{version}: HTTP {r['status']} {str(r['error'])[:300]}"
                     out[m.url] = m.reason
         outcome = FleetPush(int(version), live, out, seconds, responses)
@@ -118,12 +121,35 @@ class GeneratorFleet:
         with self._lock:
             return [m.url for m in self.members.values() if m.live]
 
-    def mark_out(self, url: str, reason: str) -> None:
+    def mark_out(self, url: str, reason: str, probe: bool = False) -> None:
+        """Take ``url`` out of the pool; ``probe``: a later ``revive`` may bring it back without a push (it
+        failed a request, nothing says its weights changed)."""
         with self._lock:
             m = self.members[url]
             if m.live:
                 logger.warning("generator %s out of the rollout pool: %s", url, reason)
-            m.live, m.reason = False, reason
+            m.live, m.reason, m.probe = False, reason, probe
+
+    def boot_of(self, url: str) -> str | None:
+        with self._lock:
+            m = self.members.get(url)
+            return None if m is None else m.boot_id
+
+    def probeable(self) -> list[str]:
+        """Members out of the pool only for a failed request."""
+        with self._lock:
+            return [m.url for m in self.members.values() if not m.live and m.probe]
+
+    def revive(self, url: str, boot_id: str | None) -> bool:
+        """Back into the pool if it went out for a failed request and ``boot_id`` is still the process that
+        was pushed to (a restarted one must wait for a push)."""
+        with self._lock:
+            m = self.members[url]
+            if m.live or not m.probe or boot_id is None or boot_id != m.boot_id:
+                return False
+            m.live, m.probe, m.reason = True, False, ""
+            logger.info("generator %s back in the rollout pool (probe: same process, whole weights)", url)
+            return True
 
     def admit(self, gen: Generation) -> str | None:
         """None if the sample may be trained on, else why not (and its server leaves the pool when the
@@ -150,17 +176,42 @@ class GeneratorFleet:
 class FleetClient:
     """A ``Generator`` over a fleet: each request goes to the next live member; a request the server failed
     (unreachable, 5xx, an error mid-stream) or a refused sample is retried on another member
-    (``max_attempts`` in all). A 4xx is the request's own fault and is raised as it is."""
+    (``max_attempts`` in all). A 4xx is the request's own fault and is raised as it is. After a failed
+    request the server is asked who it is (its version route): the same process with whole weights stays in
+    the pool (the request failed, not the server); one that does not answer leaves it and is probed back in
+    every ``probe_every_s``; a different process (restarted) or dirty weights leave it until a push."""
 
     def __init__(self, fleet: GeneratorFleet, clients: Mapping[str, Any], max_attempts: int = 8,
-                 wait_s: float = 600.0) -> None:
+                 wait_s: float = 600.0, probe_every_s: float = 5.0) -> None:
         self.fleet, self.clients = fleet, dict(clients)
-        self.max_attempts, self.wait_s = max_attempts, wait_s
+        self.max_attempts, self.wait_s, self.probe_every_s = max_attempts, wait_s, probe_every_s
         self._turn = itertools.count()
+        self._last_probe = 0.0
+
+    async def _serving(self, url: str) -> tuple[str | None, str | None]:
+        """(boot id, dirty) of the process at ``url`` from its version route: (None, None) if it does not
+        answer or its client cannot ask; ``dirty`` says why its weights may be mixed after a failed push."""
+        ask = getattr(self.clients[url], "server_state", None)
+        doc = await ask() if ask is not None else None
+        if not isinstance(doc, dict):
+            return None, None
+        return doc.get("boot_id"), doc.get("dirty") or None
+
+    async def _probe(self) -> None:
+        """Members out for a failed request come back when the same process answers again."""
+        now = time.monotonic()
+        if now - self._last_probe < self.probe_every_s:
+            return
+        self._last_probe = now
+        for url in self.fleet.probeable():
+            boot, dirty = await self._serving(url)
+            if dirty is None:
+                self.fleet.revive(url, boot)
 
     async def _pick(self) -> str:
         deadline = time.monotonic() + self.wait_s
         while True:
+            await self._probe()
             live = self.fleet.live()
             if live:
                 return live[next(self._turn) % len(live)]
@@ -179,8 +230,15 @@ class FleetClient:
             except (httpx.TransportError, GenerationError) as e:
                 if isinstance(e, GenerationError) and e.status is not None and 400 <= e.status < 500:
                     raise  # the request's fault: another server would refuse it too
-                self.fleet.mark_out(url, f"request failed: {type(e).__name__}: {e}")
                 why.append(f"{url}: {type(e).__name__}")
+                boot, dirty = await self._serving(url)
+                if boot is not None and boot == self.fleet.boot_of(url) and dirty is None:
+                    # the same process answers with whole weights: this request failed (a read timeout, one
+                    # bad prompt), not the server -- it stays in the pool and the request goes elsewhere
+                    continue
+                # silent: probed back in later; restarted or dirty: only a push brings it back
+                self.fleet.mark_out(url, f"request failed: {type(e).__name__}: {e}"
+                                    + (f" (server dirty: {dirty})" if dirty else ""), probe=boot is None)
                 continue
             refused = self.fleet.admit(gen)
             if refused is None:

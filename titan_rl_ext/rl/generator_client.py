@@ -196,6 +196,17 @@ class GeneratorClient:
         r.raise_for_status()
         return _parse_version_body(r.json())
 
+    async def server_state(self, timeout_s: float = 10.0) -> dict[str, Any] | None:
+        """The server's version-route answer (``version``, ``boot_id``, ``dirty``, ...), or None when it does
+        not answer in ``timeout_s`` (the fleet's probe: is the process that served us still there?)."""
+        import httpx
+
+        try:
+            r = await self._http.get(self.base_url + VERSION_PATH, headers=self._headers, timeout=timeout_s)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def request_body(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> dict[str, Any]:
         return {
             "model": self.model,

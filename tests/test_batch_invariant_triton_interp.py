@@ -16,25 +16,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from triton_interp import run_checks_under_interpreter
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_triton_kernels_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    t0 = time.time()
-    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"interpreter checks failed:\n{r.stdout}\n{r.stderr}"
-    assert "ALL OK" in r.stdout, r.stdout
-    print(r.stdout, f"(subprocess {time.time() - t0:.1f}s)")
+    run_checks_under_interpreter(__file__)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 import functools
-import os
 
 from titan_rl_ext.kernels import ops
 
@@ -123,9 +122,6 @@ def causal_conv1d_torch(
     return y_TC, final
 
 
-FUSED_ENV = "TITAN_FUSED_KERNELS"  # "0": the torch path on CUDA too (same switch as kernels.rows)
-
-
 @functools.lru_cache(maxsize=1)
 def _kernel() -> object:
     try:
@@ -145,11 +141,12 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's conv: one Triton launch (plus one for the states) on CUDA, ``causal_conv1d_torch``
     elsewhere. Differentiable on both (the kernel's gradient is ``causal_conv1d_torch``'s at the same inputs)."""
+    from titan_rl_ext.kernels.rows import fused_switched_on, kernel_with_reference_grad
+
     kernel = _kernel()
-    if kernel is None or not x_TC.is_cuda or os.environ.get(FUSED_ENV, "1") == "0":
+    if kernel is None or not x_TC.is_cuda or not fused_switched_on():
         return causal_conv1d_torch(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation)
     _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
-    from titan_rl_ext.kernels.rows import kernel_with_reference_grad
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return kernel(x, w, cu_seqlens, b, s, activation)

@@ -79,11 +79,14 @@ def _kernels() -> Any:
     return rows_triton
 
 
+def fused_switched_on() -> bool:
+    """``TITAN_FUSED_KERNELS`` is not "0" (the one switch for every fused layer kernel, the conv's too)."""
+    return os.environ.get(FUSED_ENV, "1") != "0"
+
+
 def fused_available(*ts: torch.Tensor | None) -> bool:
     """Whether the Triton kernels run for these tensors: all on CUDA, triton importable, not switched off."""
-    if os.environ.get(FUSED_ENV, "1") == "0":
-        return False
-    return all(t is None or t.is_cuda for t in ts) and _kernels() is not None
+    return fused_switched_on() and all(t is None or t.is_cuda for t in ts) and _kernels() is not None
 
 
 class _KernelForwardReferenceBackward(torch.autograd.Function):

@@ -143,26 +143,22 @@ class WeightPusher:
             self._push_urls[url] = (boot, target)
         return target
 
-    def _discover(self, url: str) -> tuple[str | None, Any]:
-        """(boot id, push port) from the server's version route; (None, None) when it cannot say."""
+    def _discover(self, url: str, timeout_cap_s: float = 30.0) -> tuple[str | None, Any]:
+        """(boot id, push port) from the version route at ``url`` (no token is sent); (None, None) when it
+        cannot say."""
         import requests
 
         try:
-            r = requests.get(f"{url}{VERSION_ROUTE}", timeout=min(self.timeout_s, 30.0))
+            r = requests.get(f"{url}{VERSION_ROUTE}", timeout=min(self.timeout_s, timeout_cap_s))
             doc = r.json() if r.status_code == 200 else {}
         except (requests.RequestException, ValueError):
+            return None, None
+        if not isinstance(doc, dict):
             return None, None
         return doc.get("boot_id"), doc.get(PUSH_PORT_FIELD)
 
     def _boot_at(self, base: str) -> str | None:
-        """The boot id the version route at ``base`` reports (no token is sent), or None."""
-        import requests
-
-        try:
-            r = requests.get(f"{base}{VERSION_ROUTE}", timeout=min(self.timeout_s, 10.0))
-            return r.json().get("boot_id") if r.status_code == 200 else None
-        except (requests.RequestException, ValueError, AttributeError):
-            return None
+        return self._discover(base, timeout_cap_s=10.0)[0]
 
     @staticmethod
     def _listener_url(url: str, port: int) -> str:

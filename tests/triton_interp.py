@@ -1,0 +1,25 @@
+"""Run a test file's own checks in a subprocess under the Triton interpreter (CPU).
+
+``TRITON_INTERPRET=1`` must be set before a kernel is defined and must not leak into other tests, so each
+interpreter test module executes itself as a script (its ``_main`` prints "ALL OK") in a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_checks_under_interpreter(test_file: str, timeout_s: float = 300) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, test_file], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    assert r.returncode == 0, f"interpreter checks failed:\n{r.stdout}\n{r.stderr}"
+    assert "ALL OK" in r.stdout, r.stdout
+    print(r.stdout, f"(subprocess {time.time() - t0:.1f}s)")

@@ -366,3 +366,56 @@ def print_profile(mode: str, p: dict[str, Any]) -> None:
         print("  by category (heuristic): " + ", ".join(f"{k} {v:.1f} ms" for k, v in p["categories_ms"].items()))
     for r in p["top"]:
         print(f"  {r['total_ms']:9.2f} ms {r['pct']:5.1f}% {r['count']:7d}x {r['avg_us']:9.1f} us  {r['name'][:110]}")
+
+
+# vLLM's own profiling scopes (``record_function_or_nullcontext``, on with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)
+ENGINE_SCOPES = ("gpu_model_runner:", "llm_engine step:", "schedule:")
+
+
+def step_anatomy(fn: Callable[[], Any], step_scope: str = "gpu_model_runner: preprocess") -> dict[str, Any]:
+    """Where one engine step's time goes, from one profiled call of ``fn`` (a ``generate`` of many steps).
+
+    Per step (median over the steps): the step's wall (from one ``step_scope`` start to the next), the host
+    time of each vLLM scope, and the GPU's kernel time inside the step's window. A step whose wall is near
+    host + GPU ran them in series; near max(host, GPU), they overlapped (async scheduling)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    scopes: dict[str, list[float]] = defaultdict(list)
+    starts: list[int] = []
+    kernels: list[tuple[int, int]] = []
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if e.device_type() == DeviceType.CUDA:
+            kernels.append((e.start_ns(), e.end_ns()))
+        elif name.startswith(ENGINE_SCOPES):
+            scopes[name].append((e.end_ns() - e.start_ns()) / 1e3)
+            if name == step_scope:
+                starts.append(e.start_ns())
+    starts.sort()
+    kernels.sort()
+    walls = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
+    busy, first_kernel_lag = [], []
+    for a, b in zip(starts, starts[1:]):
+        inside = [(max(s, a), min(t, b)) for s, t in kernels if t > a and s < b]
+        busy.append(sum(t - s for s, t in inside) / 1e3)
+    med = statistics.median
+    return {
+        "steps": len(walls),
+        "step_wall_us": med(walls) if walls else None,
+        "gpu_busy_us": med(busy) if busy else None,
+        "host_scopes_us": {k: {"median": med(v), "count": len(v)} for k, v in sorted(scopes.items())},
+        "kernels_per_step": len(kernels) / max(len(starts), 1),
+    }
+
+
+def print_anatomy(what: str, a: dict[str, Any]) -> None:
+    print(f"\nSTEP ANATOMY {what}: {a['steps']} steps, median step {a['step_wall_us']:.0f} us, GPU busy "
+          f"{a['gpu_busy_us']:.0f} us in it, {a['kernels_per_step']:.0f} kernels/step; host scopes (median us, count):")
+    for k, v in a["host_scopes_us"].items():
+        print(f"  {v['median']:9.1f} us {v['count']:5d}x  {k}")

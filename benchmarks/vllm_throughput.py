@@ -46,6 +46,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = args.worker
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg.startswith("titan_bi") else "0"
+    if args.step_anatomy:  # vLLM's record_function scopes: read once, at the first scope
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -65,6 +67,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     init_s = time.perf_counter() - t0
     served = llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]
     graph_mode = llm.collective_rpc(lambda w: w.model_runner.cudagraph_dispatcher.cudagraph_mode.name)[0]
+    async_sched = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     if native == served.startswith("Titan"):
         raise RuntimeError(f"config {cfg} is served by {served}")
     g = torch.Generator().manual_seed(0)
@@ -115,6 +118,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         return profile_step(lambda: llm.generate(ps, sp, use_tqdm=False), torch.device("cuda"), top=30)
 
     res: dict[str, Any] = {"config": cfg, "served_class": served, "cudagraph_mode": graph_mode, "init_s": init_s,
+                           "async_scheduling": async_sched,
                            "decode": {}, "prefill": {}, "profile": {}}
     for b in args.batch_sizes:
         sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
@@ -125,6 +129,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             res["profile"][f"decode B={b}"] = profiled(ps, sp)
         if args.host_profile:
             res.setdefault("host_profile", {})[f"decode B={b}"] = host_profiled(ps, sp)
+        if args.step_anatomy:
+            from bench_common import step_anatomy
+
+            res.setdefault("anatomy", {})[f"decode B={b}"] = step_anatomy(lambda: llm.generate(ps, sp, use_tqdm=False))
     sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     n, length = (int(x) for x in args.prefill.split("x"))
     ps = prompts(n, length)
@@ -202,6 +210,9 @@ def main() -> int:
                     help="after timing each workload, profile one generate call (CUDA kernels by time) into the JSON")
     ap.add_argument("--host-profile", action="store_true",
                     help="after timing each decode batch size, cProfile one generate call (host time by function)")
+    ap.add_argument("--step-anatomy", action="store_true",
+                    help="after timing each decode batch size, one profiled generate call: per-step wall, host time of "
+                         "vLLM's scopes, GPU busy time (runs with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)")
     ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -215,7 +226,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
                "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
                "--reps", str(args.reps), "--prefill", args.prefill, "--prompt-vocab", str(args.prompt_vocab),
-               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)] + (["--profile"] if args.profile else []) + (["--host-profile"] if args.host_profile else [])
+               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)] + (["--profile"] if args.profile else []) + (["--host-profile"] if args.host_profile else []) + (["--step-anatomy"] if args.step_anatomy else [])
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -242,6 +253,13 @@ def main() -> int:
         for cfg, r in results.items():
             for what, p in r.get("profile", {}).items():
                 print_profile(f"{cfg} {what}", p)
+    if args.step_anatomy:
+        from bench_common import print_anatomy
+
+        for cfg, r in results.items():
+            print(f"\n[{cfg}] async scheduling: {r.get('async_scheduling')}, graphs: {r.get('cudagraph_mode')}")
+            for what, a in r.get("anatomy", {}).items():
+                print_anatomy(f"{cfg} {what}", a)
     if args.serving_json:
         _write_serving_json(results, args.serving_json)
     return 0 if all("error" not in r for r in results.values()) else 1

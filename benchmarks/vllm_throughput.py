@@ -117,6 +117,29 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
         return profile_step(lambda: llm.generate(ps, sp, use_tqdm=False), torch.device("cuda"), top=30)
 
+    def host_probe() -> dict[str, Any]:
+        """The engine process's host state: a slower loop here than in another config's process means the host
+        is contended (a thread holding the GIL, a spinning pool), not that vLLM's step code differs."""
+        import gc
+        import threading
+
+        def med_us(f: Any, n: int = 7) -> float:
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                f()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(ts)
+
+        x = torch.zeros(64)
+        return {"threads": sorted(t.name for t in threading.enumerate()),
+                "py_loop_us": med_us(lambda: sum(i * i for i in range(200_000))),
+                "torch_fill_us": med_us(lambda: [x.fill_(1.0) for _ in range(2000)]),
+                "gc_objects": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled(),
+                "torch_threads": torch.get_num_threads(), "affinity": len(os.sched_getaffinity(0)),
+                "dispatch_modes": str(torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)),
+                "function_mode_stack": torch.overrides._get_current_function_mode_stack().__repr__()}
+
     res: dict[str, Any] = {"config": cfg, "served_class": served, "cudagraph_mode": graph_mode, "init_s": init_s,
                            "async_scheduling": async_sched,
                            "decode": {}, "prefill": {}, "profile": {}}
@@ -139,6 +162,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     res["prefill"][f"{n}x{length}"] = n * length / timed(ps, sp1)
     if args.profile:
         res["profile"][f"prefill {n}x{length}"] = profiled(ps, sp1)
+    res["host_probe"] = host_probe()
     res["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return res
 
@@ -257,7 +281,8 @@ def main() -> int:
         from bench_common import print_anatomy
 
         for cfg, r in results.items():
-            print(f"\n[{cfg}] async scheduling: {r.get('async_scheduling')}, graphs: {r.get('cudagraph_mode')}")
+            print(f"\n[{cfg}] async scheduling: {r.get('async_scheduling')}, graphs: {r.get('cudagraph_mode')}, "
+                  f"host probe: {r.get('host_probe')}")
             for what, a in r.get("anatomy", {}).items():
                 print_anatomy(f"{cfg} {what}", a)
     if args.serving_json:

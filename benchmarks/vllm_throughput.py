@@ -42,6 +42,42 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def host_probe() -> dict[str, Any]:
+    """The process's host state: small-op timings that differ between two engine processes mean the host is
+    contended or the dispatcher does more per op there (a mode, a default device, a callback), not that
+    vLLM's step code differs. Taken before the engine starts, after it starts and after the timed runs."""
+    import gc
+    import threading
+
+    import torch
+
+    def med_us(f: Any, n: int = 7) -> float:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(ts)
+
+    x, x_cpu = torch.zeros(64), torch.zeros(64, device="cpu")
+    return {"threads": sorted(t.name for t in threading.enumerate()),
+            "py_loop_us": med_us(lambda: sum(i * i for i in range(200_000))),
+            "fill_2000_default_us": med_us(lambda: [x.fill_(1.0) for _ in range(2000)]),
+            "fill_2000_cpu_us": med_us(lambda: [x_cpu.fill_(1.0) for _ in range(2000)]),
+            "empty_2000_us": med_us(lambda: [torch.empty(64) for _ in range(2000)]),
+            "default_tensor_device": str(x.device), "default_device": str(torch.get_default_device()),
+            "default_dtype": str(torch.get_default_dtype()),
+            "grad": torch.is_grad_enabled(), "inference_mode": torch.is_inference_mode_enabled(),
+            "autocast": torch.is_autocast_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "tls_include": str(torch._C._dispatch_tls_local_include_set()),
+            "tls_exclude": str(torch._C._dispatch_tls_local_exclude_set()),
+            "profiler_on": bool(torch.autograd.profiler._is_profiler_enabled),
+            "function_modes": repr(torch.overrides._get_current_function_mode_stack()),
+            "dispatch_stack_len": torch._C._len_torch_dispatch_stack(),
+            "gc_objects": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled(),
+            "torch_threads": torch.get_num_threads(), "affinity": len(os.sched_getaffinity(0))}
+
+
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = args.worker
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -52,6 +88,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    probes = {"before_engine": host_probe()}
     native = cfg.startswith("native")
     model_dir = args.native_dir if native and args.native_dir else args.model_dir
     t0 = time.perf_counter()
@@ -65,6 +102,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
               max_num_seqs=max(*args.batch_sizes, int(args.prefill.split("x")[0])),
               enable_prefix_caching=False, seed=0)
     init_s = time.perf_counter() - t0
+    probes["engine_built"] = host_probe()
     served = llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]
     graph_mode = llm.collective_rpc(lambda w: w.model_runner.cudagraph_dispatcher.cudagraph_mode.name)[0]
     async_sched = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
@@ -117,29 +155,6 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
         return profile_step(lambda: llm.generate(ps, sp, use_tqdm=False), torch.device("cuda"), top=30)
 
-    def host_probe() -> dict[str, Any]:
-        """The engine process's host state: a slower loop here than in another config's process means the host
-        is contended (a thread holding the GIL, a spinning pool), not that vLLM's step code differs."""
-        import gc
-        import threading
-
-        def med_us(f: Any, n: int = 7) -> float:
-            ts = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                f()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(ts)
-
-        x = torch.zeros(64)
-        return {"threads": sorted(t.name for t in threading.enumerate()),
-                "py_loop_us": med_us(lambda: sum(i * i for i in range(200_000))),
-                "torch_fill_us": med_us(lambda: [x.fill_(1.0) for _ in range(2000)]),
-                "gc_objects": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled(),
-                "torch_threads": torch.get_num_threads(), "affinity": len(os.sched_getaffinity(0)),
-                "dispatch_modes": str(torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)),
-                "function_mode_stack": torch.overrides._get_current_function_mode_stack().__repr__()}
-
     res: dict[str, Any] = {"config": cfg, "served_class": served, "cudagraph_mode": graph_mode, "init_s": init_s,
                            "async_scheduling": async_sched,
                            "decode": {}, "prefill": {}, "profile": {}}
@@ -162,7 +177,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     res["prefill"][f"{n}x{length}"] = n * length / timed(ps, sp1)
     if args.profile:
         res["profile"][f"prefill {n}x{length}"] = profiled(ps, sp1)
-    res["host_probe"] = host_probe()
+    probes["after_runs"] = host_probe()
+    res["host_probe"] = probes
     res["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return res
 
@@ -282,7 +298,7 @@ def main() -> int:
 
         for cfg, r in results.items():
             print(f"\n[{cfg}] async scheduling: {r.get('async_scheduling')}, graphs: {r.get('cudagraph_mode')}, "
-                  f"host probe: {r.get('host_probe')}")
+                  f"host probes: {json.dumps(r.get('host_probe'), indent=1)}")
             for what, a in r.get("anatomy", {}).items():
                 print_anatomy(f"{cfg} {what}", a)
     if args.serving_json:

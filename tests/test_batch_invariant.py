@@ -65,3 +65,37 @@ def test_bi_rows_invariant_for_many_batch_sizes() -> None:
     alone = torch.cat([bi.linear(x[i : i + 1], w) for i in range(200)])
     for M in range(1, 201):
         assert torch.equal(bi.linear(x[:M], w), alone[:M]), M
+
+
+# The backward passes of the BI GEMM and row reductions: on CPU always (the torch path), on CUDA too (the
+# Triton kernels' custom backward) where there is a device.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bi_gemm_backward(dev: str) -> None:
+    g = torch.Generator(device=dev).manual_seed(4)
+    x = torch.randn(100, 512, device=dev, generator=g, requires_grad=True)
+    w = (torch.randn(256, 512, device=dev, generator=g) * 0.05).requires_grad_(True)
+    gy = torch.randn(100, 256, device=dev, generator=g)
+    bi.linear(x, w).backward(gy)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    F.linear(x, w).backward(gy)
+    # fp32, two summation orders over K = 512 (gx) or 100 (gw): ~K * 2^-24 relative, far below 1e-4
+    torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_row_reductions_backward(dev: str) -> None:
+    g = torch.Generator(device=dev).manual_seed(7)
+    for fn, ref in ((bi.row_sum_sq, lambda t: (t * t).sum(-1)), (bi.row_mean_sq, lambda t: t.pow(2).mean(-1))):
+        x = torch.randn(33, 4, 256, device=dev, generator=g, requires_grad=True)
+        gy = torch.randn(33, 4, device=dev, generator=g)
+        fn(x).backward(gy)
+        got = x.grad.clone()
+        x.grad = None
+        ref(x).backward(gy)
+        # the gradient 2 x gy (/ D) is elementwise: equal up to one rounding of the scale
+        torch.testing.assert_close(got, x.grad, rtol=1e-6, atol=1e-7)

@@ -14,6 +14,7 @@ from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchErro
 from titan_rl_ext.models.hf import load_hf_model
 from titan_rl_ext.tools.check_hf import max_logit_diff
 from titan_rl_ext.tools.export import export_hf, main
+from requires import require
 
 
 def _keys_and_tensor(d: Path, key: str | None = None) -> tuple[set[str], torch.Tensor | None]:
@@ -83,7 +84,7 @@ def test_export_refuses_a_state_dict_that_does_not_fit(tiny_ckpt, tmp_path: Path
 
 def test_exported_checkpoint_serves_with_vllms_native_class(tiny_ckpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``--model-impl titan``: vLLM's own Qwen3 class serves the export; greedy tokens equal titan's."""
-    pytest.importorskip("vllm")
+    require("vllm")
     for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         monkeypatch.setenv(k, v)
     src = tiny_ckpt("qwen3", layout="text", head_dim=32)  # a head size vLLM's CPU attention supports

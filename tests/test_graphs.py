@@ -13,8 +13,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from requires import require
 
-pytest.importorskip("vllm")
+require("vllm")
 
 
 class _HF:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant, set_batch_invariant
+from requires import require
 
-vllm = pytest.importorskip("vllm")
+vllm = require("vllm")
 
 from vllm_titan_plugin import checks, compat  # noqa: E402
 

@@ -69,3 +69,47 @@ def test_model_spec_builds_titan_model_and_hf_adapter(tiny_ckpt) -> None:
     pos = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 0, 1, 2]])
     b = batch_from_positions(pos)
     assert b.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
+
+
+_TORCH_2_11 = r"""
+import sys
+import torch.distributed.fsdp as fsdp
+
+del fsdp.DataParallelMeshDims  # what torch 2.11's fsdp package lacks
+try:
+    import torchtitan.distributed.full_dtensor  # noqa: F401
+    unshimmed = "imported"
+except ImportError as e:
+    unshimmed = f"ImportError: {e}"
+for name in [m for m in sys.modules if m.startswith("torchtitan")]:
+    del sys.modules[name]
+
+from titan_rl_ext.compat import patch_torchtitan
+
+patch_torchtitan(force_cpu=True)
+import torchtitan.trainer  # noqa: F401,E402
+import torchtitan.models.qwen3  # noqa: F401,E402
+from torch.distributed.fsdp import DataParallelMeshDims  # noqa: E402
+
+d = DataParallelMeshDims(shard=("dp_shard", "cp"), replicate="dp_replicate")
+assert d.shard_names == ("dp_shard", "cp") and d.replicate_names == ("dp_replicate",), d
+try:
+    DataParallelMeshDims()
+    raise SystemExit("a DataParallelMeshDims with neither dimension was accepted")
+except ValueError:
+    pass
+print("UNSHIMMED", unshimmed)
+print("SHIMMED OK")
+"""
+
+
+def test_torchtitan_imports_under_torch_2_11_names() -> None:
+    """torch 2.11 (the GPU machine's) lacks ``torch.distributed.fsdp.DataParallelMeshDims``, which torchtitan
+    0.3.0 imports at module level: without the shim ``torchtitan.trainer`` does not import there. Here the
+    name is removed from this torch to stand for 2.11's; the shim must bring the imports back."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _TORCH_2_11], capture_output=True, text=True, timeout=300, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "UNSHIMMED ImportError" in out and "DataParallelMeshDims" in out, out[-3000:]  # the control
+    assert "SHIMMED OK" in out

@@ -174,13 +174,56 @@ class RLTrainer(Trainer):
         logger.info("RL: loaded initial weights from %s", model_dir)
 
     def _start(self) -> None:
-        """After the checkpoint load (``train()`` loads before the first step): generators, rollouts."""
+        """After the checkpoint load (``train()`` loads before the first step): generators, rollouts.
+
+        Rank 0 talks to the generators. Comparing what they serve with the trainer's weights needs the full
+        weights, and gathering sharded weights is collective: rank 0 broadcasts what it found, and every rank
+        gathers (and pushes, when the generators serve other weights)."""
         rl = self.config.rl
         self._started = True
+        served = self._connect_generators() if self.rank == 0 else {}
+        server_v = self._broadcast(max(v for v, _ in served.values()) if self.rank == 0 else 0)
+        if self.rl_version == 0 and server_v == 0:  # a fresh run: the generators serve the checkpoint it starts from
+            for u, (_, boot) in served.items():
+                self._fleet.verify(u, 0, boot)
+        else:  # a resumed run, or generators already moved on: compare checksums before admitting them
+            from titan_rl_ext.rl.weight_sync import checksum
+
+            sd = _full_state_dict(self.model_parts[0])  # every rank: a collective gather under FSDP
+            same = False
+            if self.rank == 0:
+                ours = checksum(sd)
+                same = server_v == self.rl_version and all(self._pusher.checksums(u) == ours for u in served)
+            del sd
+            if self._broadcast(same):
+                logger.info("RL: generators already serve version %d", server_v)
+                for u, (_, boot) in served.items():
+                    self._fleet.verify(u, server_v, boot)
+            else:
+                if server_v >= self.rl_version:
+                    if self.rank == 0:
+                        logger.warning("RL: generator at version %d >= trainer's %d with other weights; continuing "
+                                       "from %d", server_v, self.rl_version, server_v + 1)
+                    self.rl_version = server_v + 1
+                self._push(self.rl_version)  # every rank gathers, rank 0 pushes
         if self.rank != 0:
             return
         from transformers import AutoTokenizer
 
+        if self.rl_version not in self._stale.history and self.world == 1:  # the weights the generators start on
+            self._stale.remember(self.rl_version, _full_state_dict(self.model_parts[0]))
+        tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
+        if self.prompt_cursor != PromptCursor():
+            logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
+                        len(self.prompt_cursor.done_ahead))
+        self._service = RolloutService(rl, self._fleet, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
+                                       self.prompt_cursor)
+        self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
+
+    def _connect_generators(self) -> dict[str, tuple[int, str | None]]:
+        """Rank 0: start or reach the generators, build the pusher, fleet and metrics logger; returns the
+        version and boot id each generator serves."""
+        rl = self.config.rl
         from titan_rl_ext.rl.fleet import GeneratorFleet
         from titan_rl_ext.rl.metrics import MetricsLogger
         from titan_rl_ext.rl.weight_sync import WeightPusher
@@ -205,36 +248,8 @@ class RLTrainer(Trainer):
         self._last_push: FleetPush | None = None
         self._sync_generator_bi(self._bi_at(self.step))  # before the first rollouts
         self._mlog = MetricsLogger(self.run_dir, config={"rl": config_dict(rl)})
-        # a resumed run: the generators still serve the checkpoint the run started from
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        served = {u: self._server_version(u) for u in urls}
-        server_v = max(v for v, _ in served.values())
-        if self.rl_version == 0 and server_v == 0:  # a fresh run: the generators serve the checkpoint it starts from
-            for u, (_, boot) in served.items():
-                self._fleet.verify(u, 0, boot)
-        else:
-            from titan_rl_ext.rl.weight_sync import checksum
-
-            ours = checksum(_full_state_dict(self.model_parts[0]))
-            if server_v == self.rl_version and all(self._pusher.checksums(u) == ours for u in urls):
-                logger.info("RL: generators already serve version %d", server_v)
-                for u, (_, boot) in served.items():
-                    self._fleet.verify(u, server_v, boot)
-            else:
-                if server_v >= self.rl_version:
-                    logger.warning("RL: generator at version %d >= trainer's %d with other weights; continuing from %d",
-                                   server_v, self.rl_version, server_v + 1)
-                    self.rl_version = server_v + 1
-                self._push(self.rl_version)
-        if self.rl_version not in self._stale.history and self.world == 1:  # the weights the generators start on
-            self._stale.remember(self.rl_version, _full_state_dict(self.model_parts[0]))
-        tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
-        if self.prompt_cursor != PromptCursor():
-            logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
-                        len(self.prompt_cursor.done_ahead))
-        self._service = RolloutService(rl, self._fleet, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
-                                       self.prompt_cursor)
-        self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
+        return {u: self._server_version(u) for u in urls}
 
     @staticmethod
     def _server_version(url: str) -> tuple[int, str | None]:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from titan_rl_ext.compat import patch_torch_for_torchtitan
+
 SPEC_KEY = "titan_model_spec"
 """The HF-config key (set with ``--hf-overrides``) that names the torchtitan spec to serve."""
 
@@ -84,6 +86,7 @@ def _check_plain(hf: Mapping[str, Any]) -> None:
 def model_config(name: str, hf: Mapping[str, Any], max_seq_len: int | None = None) -> Any:
     """The torchtitan ``Qwen3Model.Config`` / ``Llama3Model.Config`` with the checkpoint's dimensions.
     ``max_seq_len`` (default: ``max_position_embeddings``) sizes the rotary cache."""
+    patch_torch_for_torchtitan()  # torchtitan's model packages import names torch 2.11 lacks
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -132,6 +135,7 @@ def model_config(name: str, hf: Mapping[str, Any], max_seq_len: int | None = Non
 
 def adapter(name: str, cfg: Any) -> Any:
     """The spec's own state-dict adapter (HF keys <-> torchtitan keys)."""
+    patch_torch_for_torchtitan()
     if name == "qwen3":
         from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as A
     else:

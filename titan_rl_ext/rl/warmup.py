@@ -1,7 +1,7 @@
 """Supervised warm-up of a tiny checkpoint on a ``SyntheticTask``, so RL starts from a model that
 sometimes answers right (a random tiny model never does, and RL has nothing to reinforce).
 
-Plain PyTorch on the HF (transformers) model, CPU, fp32: teacher-forced cross-entropy on the answer
+Plain PyTorch on the HF (transformers) model, fp32 (CPU for the tiny demo model, CUDA for the GPU recipe's): teacher-forced cross-entropy on the answer
 token of ``"<prompt> <answer>"``, in chunks of ``eval_every`` steps; it stops as soon as the model's
 *sampling* success rate at temperature 1 -- the mean probability of the answer as first token over a
 fixed held-out set -- reaches ``target`` (so RL starts in the 10-30 % regime where it has signal and
@@ -49,7 +49,7 @@ def answer_prob(model: Any, tok: Any, examples: list[Any]) -> float:
     the prompt: the expected success rate of temperature-1 sampling (a lower bound: other
     completions whose first number is right score too)."""
     model.eval()
-    ids, mask, lab = _batch(tok, examples)
+    ids, mask, lab = (t.to(model.device) for t in _batch(tok, examples))
     logp = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1].log_softmax(-1)
     tgt = lab[:, 1:]
     on = tgt != -100
@@ -59,7 +59,7 @@ def answer_prob(model: Any, tok: Any, examples: list[Any]) -> float:
 
 def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: float = 0.2, lr: float = 1e-3,
            batch_size: int = 32, eval_every: int = 5, max_steps: int = 1000, seed: int = 0,
-           verbose: bool = True) -> dict[str, Any]:
+           verbose: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Fine-tune the HF checkpoint ``src`` into ``out`` until ``answer_prob`` >= ``target``; returns
     (and writes as ``out/warmup.json``) the steps taken and the held-out success rate before/after."""
     from transformers import AutoModelForImageTextToText, AutoModelForCausalLM, AutoTokenizer
@@ -71,7 +71,7 @@ def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: floa
     tok = AutoTokenizer.from_pretrained(str(src))
     cfg = json.loads((src / "config.json").read_text())
     auto = AutoModelForImageTextToText if "ForConditionalGeneration" in cfg["architectures"][0] else AutoModelForCausalLM
-    model = auto.from_pretrained(str(src), dtype=torch.float32)
+    model = auto.from_pretrained(str(src), dtype=torch.float32).to(device)
     task = SyntheticTask(kind=kind)  # type: ignore[arg-type]
     held_out = task.sample(100, seed=10_000 + seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -81,7 +81,7 @@ def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: floa
     while p < target and step < max_steps:
         model.train()
         for _ in range(eval_every):
-            ids, mask, lab = _batch(tok, task.sample(batch_size, seed=seed * 7919 + step))
+            ids, mask, lab = (t.to(device) for t in _batch(tok, task.sample(batch_size, seed=seed * 7919 + step)))
             loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=0.2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-steps", type=int, default=1000)
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
-    print(warmup(a.src, a.out, kind=a.kind, target=a.target, lr=a.lr, max_steps=a.max_steps))
+    print(warmup(a.src, a.out, kind=a.kind, target=a.target, lr=a.lr, max_steps=a.max_steps, device=a.device))
 
 
 if __name__ == "__main__":

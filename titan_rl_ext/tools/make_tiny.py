@@ -1,8 +1,8 @@
 """Write a tiny random HF checkpoint (config.json + safetensors) and an offline-built tokenizer.
 
     python -m titan_rl_ext.tools.make_tiny --arch {qwen3,qwen3_moe,qwen3_5,qwen3_5_moe} --out DIR [--seed S]
-        [--layout {vlm,text}] [--tie] [--shape {tiny,qwen3_5-9b,qwen3_5-35b-a3b} --layers N --experts E
-         --dtype bfloat16 --device cuda]
+        [--layout {vlm,text}] [--tie] [--shape {tiny,qwen3_5-9b,qwen3_5-rl-1b,qwen3_5-35b-a3b} --layers N
+         --experts E --dtype bfloat16 --device cuda --noise 0]
 
 Qwen3.5 checkpoints default to the multimodal layout (``*ForConditionalGeneration``, keys under
 ``model.language_model.``) because that is how Qwen publishes them; ``--layout text`` writes the
@@ -65,6 +65,14 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, full_attention_interval=4, rope_parameters=_ROPE_REAL,
     ),
+    # The one-GPU RL recipe's model (``rl_gpu_hybrid``): Qwen3.5-9B's head shapes (16 q / 4 kv heads of 256, GDN
+    # 16 key / 32 value heads of 128), hidden 2048, 12 layers (9 GDN + 3 attention), the tiny tokenizer's
+    # vocabulary: ~0.84 B parameters, small enough for fp32 master weights, AdamW and a vLLM generator on one GPU
+    "qwen3_5-rl-1b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=12, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4, rope_parameters=_ROPE_REAL,
+    ),
     # Qwen/Qwen3.5-35B-A3B text: hidden 2048, 16 q / 2 kv heads, 256 experts top-8 (expert and shared MLP 512)
     "qwen3_5-35b-a3b": dict(
         vocab_size=248_320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -122,15 +130,17 @@ def randomize_(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
 
 
 def make_tiny(arch: str, out: str | Path, seed: int = 0, layout: str = "vlm", tie: bool = False,
-              dtype: torch.dtype = torch.float32, device: str = "cpu", **text_overrides: Any) -> Path:
+              dtype: torch.dtype = torch.float32, device: str = "cpu", noise: float = 0.1, **text_overrides: Any) -> Path:
     """``dtype``/``device``: build (and save) in bf16 on a GPU for the real-shape checkpoints, which take
-    minutes to initialise on CPU."""
+    minutes to initialise on CPU. ``noise``: the std of the noise added to every parameter (0: HF's own
+    initialisation, for a model that is to be trained rather than compared)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     torch.manual_seed(seed)
     with torch.device(device):
         model = build_hf_model(arch, layout=layout, tie=tie, **text_overrides)
-    randomize_(model, seed)
+    if noise:
+        randomize_(model, seed, noise)
     model.to(dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,18 +163,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, default=None, help="MoE: number of experts (fewer to save memory)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--device", default="cpu", help="where to initialise (cuda is much faster for real shapes)")
+    ap.add_argument("--noise", type=float, default=0.1, help="std of the noise added to every parameter (0: HF init)")
     args = ap.parse_args(argv)
     over = dict(SHAPES[args.shape])
     if args.shape != "tiny" and not args.arch.startswith("qwen3_5"):
         ap.error("--shape is for the qwen3_5 archs")
-    if args.shape == "qwen3_5-35b-a3b" and args.arch != "qwen3_5_moe" or args.shape == "qwen3_5-9b" and args.arch != "qwen3_5":
+    if args.shape != "tiny" and (args.arch == "qwen3_5_moe") != (args.shape == "qwen3_5-35b-a3b"):
         ap.error(f"--shape {args.shape} does not match --arch {args.arch}")
     if args.layers is not None:
         over["num_hidden_layers"] = args.layers
     if args.experts is not None:
         over["num_experts"] = args.experts
     path = make_tiny(args.arch, args.out, args.seed, args.layout, args.tie, dtype=getattr(torch, args.dtype),
-                     device=args.device, **over)
+                     device=args.device, noise=args.noise, **over)
     print(f"wrote {args.arch} checkpoint to {path}")
 
 

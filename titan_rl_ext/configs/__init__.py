@@ -65,7 +65,8 @@ def _debug_trainer(model_spec: Any) -> Any:
         dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_DATASET),
         optimizer=optimizer,
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
-        training=TrainingConfig(local_batch_size=4, seq_len=128, steps=10, disable_cuda_graphs=True),
+        training=TrainingConfig(local_batch_size=4, seq_len=128, steps=10, disable_cuda_graphs=True,
+                                mixed_precision_param="float32"),  # CPU: fp32 throughout, no FSDP cast
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         checkpoint=CheckpointManager.Config(enable=False),
         debug=DebugConfig(seed=0),

@@ -64,7 +64,10 @@ def _rl_trainer(model_spec: Any, hf_dir: str, rl: Any, *, steps: int, lr: float,
         dataloader=HuggingFaceTextDataLoader.Config(dataset=TINY_DATASET),
         optimizer=optimizer,
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=warmup),
-        training=TrainingConfig(local_batch_size=1, seq_len=64, steps=steps, max_norm=1.0, disable_cuda_graphs=True),
+        # compute in the stored dtype (fp32 here): torchtitan's default mixed_precision_param is bf16, which would
+        # put FSDP's bf16 cast between these fp32 recipes and their fp32 generators
+        training=TrainingConfig(local_batch_size=1, seq_len=64, steps=steps, max_norm=1.0, disable_cuda_graphs=True,
+                                mixed_precision_param="float32"),
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),
         checkpoint=CheckpointManager.Config(enable=False, interval=checkpoint_interval, last_save_model_only=False),
         debug=DebugConfig(seed=0),
@@ -143,7 +146,7 @@ def qwen3_5_9b_dapo_math() -> Any:
     # the flavor, not the checkpoint's config.json: building the recipe must work without the files
     cfg = _rl_trainer(model_registry("qwen3_5-9b"), hf_dir, rl, steps=500, lr=1e-6, warmup=10, batch_invariant=False,
                       dump=str(cache_dir() / "outputs" / "qwen3_5_9b_dapo_math"), checkpoint_interval=20)
-    cfg.training.dtype = "bfloat16"
+    cfg.training.dtype = cfg.training.mixed_precision_param = "bfloat16"  # bf16 weights, no fp32 master copy
     cfg.checkpoint.enable = True
     return cfg
 

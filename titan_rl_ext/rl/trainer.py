@@ -103,10 +103,18 @@ class _Rollouts:
 
 
 def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) titan state dict; every rank must call it under FSDP."""
+    """The full (unsharded) titan state dict: the master weights; every rank must call it under FSDP."""
     from torch.distributed.tensor import DTensor
 
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+
+
+def _served_state_dict(model: torch.nn.Module, compute: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The weights the trainer computes with (``precision.compute_view`` of the master weights): what it pushes,
+    checksums against the generators and recomputes stale tokens with. Every rank must call it under FSDP."""
+    from titan_rl_ext.models.common.precision import compute_view, fp32_param_names
+
+    return compute_view(_full_state_dict(model), compute, fp32_param_names(model))
 
 
 class RLTrainer(Trainer):
@@ -135,6 +143,11 @@ class RLTrainer(Trainer):
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.run_dir = Path(rl.run_dir or Path(config.dump_folder) / "rl")
+        from titan_rl_ext.models.common.titan_protocol import compute_dtype
+
+        self._compute = compute_dtype(config.training)
+        """Mixed precision: the dtype the forward computes in (None: the stored one), and so the dtype of what
+        is pushed to the generators, who must serve it (``--dtype``)."""
         self._load_hf_weights(rl.model_dir)
         self._server: Any = None  # GeneratorServer when spawned
         self._service: RolloutService | None = None
@@ -163,7 +176,9 @@ class RLTrainer(Trainer):
         model = self.model_parts[0]
         arch = self.model_config.arch  # type: ignore[attr-defined]
         sd = adapter_for(read_config(model_dir), arch).from_hf(read_safetensors(model_dir))
-        if self.world > 1:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP: more ranks, or mixed precision on one
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -189,7 +204,7 @@ class RLTrainer(Trainer):
         else:  # a resumed run, or generators already moved on: compare checksums before admitting them
             from titan_rl_ext.rl.weight_sync import checksum
 
-            sd = _full_state_dict(self.model_parts[0])  # every rank: a collective gather under FSDP
+            sd = _served_state_dict(self.model_parts[0], self._compute)  # every rank: a collective gather under FSDP
             same = False
             if self.rank == 0:
                 ours = checksum(sd)
@@ -211,7 +226,7 @@ class RLTrainer(Trainer):
         from transformers import AutoTokenizer
 
         if self.rl_version not in self._stale.history and self.world == 1:  # the weights the generators start on
-            self._stale.remember(self.rl_version, _full_state_dict(self.model_parts[0]))
+            self._stale.remember(self.rl_version, _served_state_dict(self.model_parts[0], self._compute))
         tokenizer = AutoTokenizer.from_pretrained(rl.model_dir)
         if self.prompt_cursor != PromptCursor():
             logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
@@ -276,7 +291,7 @@ class RLTrainer(Trainer):
     def _push(self, version: int) -> float:
         """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time."""
         t0 = time.perf_counter()
-        sd = _full_state_dict(self.model_parts[0])
+        sd = _served_state_dict(self.model_parts[0], self._compute)
         if self.rank == 0:
             # generators that fail it leave the rollout pool until a later push reaches them
             self._last_push = self._fleet.push(sd, version, mode=self.config.rl.push_mode)
@@ -379,7 +394,8 @@ class RLTrainer(Trainer):
         bw.update({k.replace("bit_wise/", "bit_wise_all/"): v
                    for k, v in bit_wise_metrics(gen_a, re_a, torch.ones_like(gen_a, dtype=torch.bool)).items()})
         if self.rank == 0 and self.config.rl.stale_gap_versions > 0:
-            bw.update(self._stale.metrics(ro.all_samples, self.rl_version, next(self.model_parts[0].parameters()).dtype,
+            bw.update(self._stale.metrics(ro.all_samples, self.rl_version,
+                                          self._compute or next(self.model_parts[0].parameters()).dtype,
                                           self.device))
         return bw
 
@@ -511,7 +527,7 @@ class RLTrainer(Trainer):
     def _write_final_checksums(self) -> None:
         from titan_rl_ext.rl.weight_sync import checksum
 
-        sd = _full_state_dict(self.model_parts[0])
+        sd = _served_state_dict(self.model_parts[0], self._compute)  # what the generators were given
         if self.rank != 0:
             return
         ours = checksum(sd)

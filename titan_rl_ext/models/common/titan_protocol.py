@@ -90,22 +90,55 @@ class TitanDecoder(Decoder, BaseModel):
         pass
 
 
-def parallelize_titan(model: TitanDecoder, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
-    """Data parallelism only: FSDP2 on every block when there is more than one rank."""
-    if parallel_dims.world_size == 1:
+def compute_dtype(training: Any) -> torch.dtype | None:
+    """The dtype FSDP casts the parameters to for compute when it differs from the stored (master) one:
+    torchtitan's ``training.mixed_precision_param`` vs ``training.dtype``; None: compute in the stored dtype."""
+    param = getattr(training, "mixed_precision_param", None)
+    stored = getattr(training, "dtype", "float32")
+    return getattr(torch, param) if param and param != stored else None
+
+
+def parallelize_titan(model: TitanDecoder, *, parallel_dims: Any, training: Any = None, **kwargs: Any) -> nn.Module:
+    """Data parallelism only: FSDP2 on every block when there is more than one rank, and on one rank too when
+    the config asks for mixed precision (``compute_dtype``: fp32 master weights, bf16 compute, fp32
+    gradient reduction)."""
+    compute = compute_dtype(training)
+    if parallel_dims.world_size == 1 and compute is None:
         return model
     unsupported = [n for n in ("tp", "cp", "pp", "ep", "dp_replicate") if getattr(parallel_dims, f"{n}_enabled", False)]
     if unsupported:
         raise NotImplementedError(f"titan models support FSDP data parallelism only; got {unsupported}")
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    if parallel_dims.world_size == 1:
+        from torch.distributed.device_mesh import init_device_mesh
 
-    # torchtitan 0.3 names the sharding axis by backend: the legacy path folds it into "fsdp", the
-    # full_dtensor/spmd_types paths keep "dp_shard" (no cp/tp here, so it is the whole data-parallel axis)
-    legacy = getattr(parallel_dims, "spmd_backend", None) not in ("full_dtensor", "spmd_types")
-    mesh = parallel_dims.get_mesh("fsdp" if legacy else "dp_shard")
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (1,))
+    else:
+        # torchtitan 0.3 names the sharding axis by backend: the legacy path folds it into "fsdp", the
+        # full_dtensor/spmd_types paths keep "dp_shard" (no cp/tp here, so it is the whole data-parallel axis)
+        legacy = getattr(parallel_dims, "spmd_backend", None) not in ("full_dtensor", "spmd_types")
+        mesh = parallel_dims.get_mesh("fsdp" if legacy else "dp_shard")
+    return apply_fsdp(model, mesh, compute)
+
+
+def apply_fsdp(model: TitanDecoder, mesh: Any, compute: torch.dtype | None) -> nn.Module:
+    """FSDP2 groups: every block, and the root. With ``compute`` (mixed precision), a module that keeps some
+    of its own parameters fp32 (``precision.FP32_PARAMS``) gets its children in ``compute`` groups and its own
+    parameters in an fp32 group, so that the compute weights are exactly the served bf16 model's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    from titan_rl_ext.models.common.precision import keeps_fp32
+
+    low = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
+    if compute is not None:
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for module in [m for m in model.modules() if keeps_fp32(m)]:
+            for child in module.children():
+                if any(True for _ in child.parameters()):
+                    fully_shard(child, mesh=mesh, mp_policy=low)
+            fully_shard(module, mesh=mesh, mp_policy=fp32)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=low)
+    fully_shard(model, mesh=mesh, mp_policy=low)
     # the RL losses reach the model through packed_logits, not forward: gather the root's weights there too
     register_fsdp_forward_method(model, "packed_logits")
     register_fsdp_forward_method(model, "packed_token_logprobs")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 import torch.nn as nn
@@ -125,8 +125,13 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(1, 16).log())
 
+    # A_log stays fp32 whatever the model dtype: exp(A_log) in bf16 would change every decay rate. The trainer's
+    # mixed precision (``titan_protocol.apply_fsdp``) keeps this module's own parameters out of the bf16 cast
+    # for it; the forward casts the others (conv_weight, dt_bias) to the activations' dtype itself, which is
+    # what the served bf16 model holds (a no-op there and in fp32).
+    FP32_PARAMS: ClassVar[tuple[str, ...]] = ("A_log",)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        # A_log stays fp32 whatever the model dtype: exp(A_log) in bf16 would change every decay rate.
         a_log = self.A_log.data
         out = super()._apply(fn, recurse)
         if self.A_log.dtype != torch.float32:
@@ -141,14 +146,14 @@ class GatedDeltaNet(nn.Module):
         mixed_TC, z_TF, b_TH, a_TH = self.in_proj.split(self.in_proj(x_TD))
         # mixed_TC is a column slice of the merged projection: the conv reads it in place (rows strided)
         qkv_TC, conv_state = self.conv_kernel(
-            mixed_TC, self.conv_weight.squeeze(1), batch, None if state is None else state.conv
+            mixed_TC, self.conv_weight.to(x_TD.dtype).squeeze(1), batch, None if state is None else state.conv
         )
         q, k, v = torch.split(qkv_TC, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         # fp32, read in place from the conv output (head views of a [T, conv_dim] buffer)
         q_THK = rows.l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
         k_THK = rows.l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
-        g_TH, beta_TH = rows.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias)
+        g_TH, beta_TH = rows.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias.to(x_TD.dtype))
         o_THV, ssm_state = self.rule_kernel(
             q_THK, k_THK, v_THV, g_TH, beta_TH, batch,
             cfg.k_head_dim**-0.5, None if state is None else state.ssm,

@@ -9,43 +9,31 @@ from typing import Any
 
 import torch
 
-from vllm_titan_plugin import compat
-from vllm_titan_plugin.swap.validate import ST_DTYPE, file_spec, manifest_spec, name_list, spec_problems
-
-
-def _titan_params(worker: Any) -> dict[str, torch.nn.Parameter]:
-    model = compat.worker_model(worker)
-    get = getattr(model, "titan_parameters", None)
-    if get is None:
-        raise RuntimeError(f"weight push needs --model-impl titan (served model is {type(model).__name__})")
-    return {name: p for name, (_, p) in get().items()}
-
-
-def _spec_of(params: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
-    return {name: [ST_DTYPE[p.dtype], list(p.shape)] for name, p in params.items()}
+from vllm_titan_plugin.swap.targets import target_of
+from vllm_titan_plugin.swap.validate import file_spec, manifest_spec, name_list, spec_problems
 
 
 def worker_weight_spec(worker: Any) -> dict[str, list[Any]]:
-    """titan name -> [safetensors dtype, shape] of every parameter (JSON-friendly for the RPC reply)."""
-    return _spec_of(_titan_params(worker))
+    """titan name -> [safetensors dtype, shape] of every tensor a push carries (JSON-friendly for the RPC)."""
+    return target_of(worker).spec()
 
 
 @torch.no_grad()
 def worker_load_weights(worker: Any, path: str) -> int | dict[str, Any]:
-    """Copy every tensor of the safetensors file at ``path`` into the parameter of the same titan name, in
-    place (the engine is paused). Names, shapes and dtypes are re-checked before the first copy: a mismatch
-    answers ``{"problems": ...}`` with nothing copied. An exception raised once copying has begun reaches
-    the route, which marks the server dirty (``routes._dirty_on_failure``)."""
+    """Copy every tensor of the safetensors file at ``path`` into the served model (``targets``): titan
+    parameters in place, or through a native class's ``load_weights`` (the engine is paused). Names, shapes
+    and dtypes are re-checked before the first copy: a mismatch answers ``{"problems": ...}`` with nothing
+    copied. An exception raised once copying has begun reaches the route, which marks the server dirty
+    (``routes._dirty_on_failure``)."""
     from safetensors import safe_open
 
-    params = _titan_params(worker)
+    target = target_of(worker)
     with safe_open(path, framework="pt", device="cpu") as f:
-        problems = spec_problems(_spec_of(params), file_spec(f))
+        problems = spec_problems(target.spec(), file_spec(f))
         if problems:
             return {"problems": problems, "tensors": [], "status": 422}
-        for name, p in params.items():
-            p.copy_(f.get_tensor(name))
-    return len(params)
+        target.copy_in(f.get_tensor)
+    return len(target.spec())
 
 
 @torch.no_grad()
@@ -55,12 +43,12 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
     with nothing copied."""
     from titan_rl_ext.wire.cuda_ipc import import_tensors
 
-    params = _titan_params(worker)
-    if any(p.device.type != "cuda" for p in params.values()):
+    target = target_of(worker)
+    if target.device.type != "cuda":
         return {"problems": ["transport=cuda_ipc needs a generator on CUDA; this one serves on "
-                             f"{next(iter(params.values())).device.type} (use the default safetensors transport)"],
+                             f"{target.device.type} (use the default safetensors transport)"],
                 "tensors": [], "status": 400}
-    problems = spec_problems(_spec_of(params), manifest_spec(manifest))
+    problems = spec_problems(target.spec(), manifest_spec(manifest))
     if problems:
         return {"problems": problems, "tensors": [], "status": 422}
     try:
@@ -72,18 +60,15 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
         nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if nonfinite:
             return {"problems": [f"NaN/Inf in tensors: {name_list(nonfinite)}"], "tensors": nonfinite, "status": 422}
-        for name, p in params.items():
-            p.copy_(tensors[name])
+        target.copy_in(tensors.__getitem__)
         torch.cuda.synchronize()  # the sender may free its tensors once we answer
     finally:
         del tensors
-    return {"num_tensors": len(params)}
+    return {"num_tensors": len(target.spec())}
 
 
 def worker_weight_checksums(worker: Any) -> dict[str, str]:
-    from titan_rl_ext.wire.weights import tensor_checksum
-
-    return {name: tensor_checksum(p) for name, p in _titan_params(worker).items()}
+    return target_of(worker).checksums()
 
 
 def worker_set_batch_invariant(worker: Any, enabled: bool) -> bool:

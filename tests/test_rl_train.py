@@ -201,3 +201,28 @@ def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
         assert recs[-1]["bit_wise/num_tokens"] > 0 and recs[-1]["bit_wise/logprob_diff/max"] == 0.0, recs[-1]
         final = json.loads((run / "final_checksums.json").read_text())
         assert final["version"] == 3 and final["server_matches"] is True
+
+
+def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
+    """The one-GPU recipe of the three-arm comparison (``rl_gpu_hybrid``) at toy size on CPU, its BI arm: it
+    spawns its own generator, warms the model up, trains 3 steps off-policy (window 2) and every fresh and
+    stale token's gap is exactly 0; the arms report reads the run into ``rl_gpu.json``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_gpu_hybrid_toy",
+           "--rl.batch-invariant-steps", "1000000", "--rl.run-dir", str(run), "--dump-folder", str(tmp_path / "dump")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2, 3]
+    assert recs[0]["bit_wise/num_tokens"] > 0 and recs[0]["bit_wise/logprob_diff/max"] == 0.0, recs[0]
+    assert sum(x.get("bit_wise_stale/num_tokens", 0) for x in recs) > 0  # the window let the generator run ahead
+    from titan_rl_ext.tools.rl_arms import main as arms
+
+    assert arms([f"titan_bi={run}", "--out", str(tmp_path / "report"), "--env", '{"git": "test"}']) == 0
+    summary = json.loads((tmp_path / "report" / "rl_gpu.json").read_text())
+    assert summary["steps"] == 3 and summary["bi_step1_gap"] == 0.0 and summary["bi_stale_max_abs"] == 0.0
+    assert summary["bi_full_step_tok_s"] > 0 and (tmp_path / "report" / "arms.png").is_file()

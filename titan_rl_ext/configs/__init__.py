@@ -91,4 +91,6 @@ def qwen3_debug() -> Any:
     from titan_rl_ext.models.qwen3 import model_registry
 
     return _debug_trainer(model_registry("qwen3-debug"))
-from titan_rl_ext.configs.rl import qwen3_5_9b_dapo_math, rl_demo_cpu, rl_tiny_cpu  # noqa: E402,F401
+from titan_rl_ext.configs.rl import (  # noqa: E402,F401
+    qwen3_5_9b_dapo_math, rl_demo_cpu, rl_gpu_hybrid, rl_gpu_hybrid_toy, rl_tiny_cpu,
+)

@@ -152,6 +152,88 @@ def qwen3_5_9b_dapo_math() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# one GPU: trainer and generator side by side (issue 22's three arms)
+
+GPU_WARMUP_TARGET = 0.2
+
+
+def gpu_rl_checkpoint(toy: bool = False, verbose: bool = True) -> str:
+    """The one-GPU recipe's start (built once, cached): Qwen3.5 with Qwen3.5-9B's head shapes, hidden 2048,
+    12 layers (``make_tiny --shape qwen3_5-rl-1b``, 0.85 B parameters, HF's own initialisation, the VLM
+    layout that vLLM's native class reads), after the supervised warm-up on ``synthetic_copy`` up to a 20 %
+    answer rate, on the GPU when there is one. ``toy``: the tiny shape, for the CPU run of the same recipe."""
+    import torch
+
+    from titan_rl_ext.rl.warmup import warmup
+    from titan_rl_ext.tools.make_tiny import SHAPES, make_tiny
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = "rl_gpu_toy" if toy else "rl_gpu_qwen3_5_1b"
+    init = cache_dir() / f"{name}_init"
+    if not (init / "config.json").exists():
+        shape = {} if toy else SHAPES["qwen3_5-rl-1b"]
+        make_tiny("qwen3_5", init, seed=0, layout="vlm", device=device, noise=0.1 if toy else 0.0, **shape)
+    warm = cache_dir() / f"{name}_{DEMO_TASK}_{int(GPU_WARMUP_TARGET * 100)}"
+    if not (warm / "warmup.json").exists():
+        warmup(init, warm, kind=DEMO_TASK, target=GPU_WARMUP_TARGET, lr=1e-3 if toy else 3e-4, device=device,
+               verbose=verbose)
+    return str(warm)
+
+
+def _gpu_recipe(toy: bool) -> Any:
+    """FSDP on one rank with fp32 master weights and bf16 compute (the generator serves bf16; the trainer
+    pushes exactly the weights it computes with), fp32 LM head and GDN state (the model's), the trainer and
+    one spawned vLLM generator on the same GPU (the generator gets 30 % of its memory), weights pushed every
+    step over CUDA IPC, off-policy window 2, DAPO, ``synthetic_copy``. Arms: ``--rl.batch-invariant-steps
+    1000000`` (titan BI), nothing (titan), ``--rl.server-model-impl auto`` (vLLM's native class)."""
+    from titan_rl_ext.rl.losses import DAPOLoss
+    from titan_rl_ext.rl.trainer import RLConfig
+
+    hf_dir = gpu_rl_checkpoint(toy)
+    if toy:  # the CPU shape of the same recipe: fp32 server, bytes over HTTP
+        server = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+    else:
+        server = ["--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0", "--gpu-memory-utilization", "0.3",
+                  "--language-model-only", "--gdn-prefill-backend", "triton"]
+    rl = RLConfig(
+        spawn_server=True,
+        server_args=server,
+        model_dir=hf_dir,
+        task=f"synthetic_{DEMO_TASK}",
+        prompts_per_step=4 if toy else 32,
+        group_size=8,
+        max_tokens=4 if toy else 8,
+        temperature=1.0,
+        offpolicy=2,
+        num_producers=4 if toy else 32,
+        loss=DAPOLoss.Config(),
+        weight_transport="safetensors" if toy else "cuda_ipc",
+        batch_invariant_steps=0,
+        stale_gap_versions=3,  # offpolicy + 1: every off-policy token's exact gap (bit_wise_stale/*)
+        eval_every=0,
+        run_dir="",
+    )
+    cfg = _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=3 if toy else 40, lr=2e-3 if toy else 5e-5,
+                      warmup=2, batch_invariant=False, dump=str(cache_dir() / "outputs" / ("rl_gpu_toy" if toy else "rl_gpu")),
+                      checkpoint_interval=10)
+    if not toy:
+        cfg.training.mixed_precision_param = "bfloat16"  # FSDP2 on one rank: fp32 master, bf16 compute
+        cfg.optimizer.implementation = "fused"
+    return cfg
+
+
+def rl_gpu_hybrid() -> Any:
+    """One H200: the 0.85 B Qwen3.5 hybrid, 32 prompts x G=8, 40 steps (``tests/gpu/run_rl_e2e.sh`` runs the
+    three arms)."""
+    return _gpu_recipe(toy=False)
+
+
+def rl_gpu_hybrid_toy() -> Any:
+    """The same recipe at toy size on CPU: the tiny Qwen3.5, 4 prompts x G=8, 3 steps."""
+    return _gpu_recipe(toy=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # the README demo: a warmed-up tiny model whose reward RL visibly raises
 
 DEMO_TASK = "copy"

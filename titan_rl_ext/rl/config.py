@@ -18,6 +18,9 @@ class RLConfig:
     (with ``TITAN_SWAP_TOKEN`` and, when ``batch_invariant_steps > 0``, ``TITAN_BATCH_INVARIANT=1``)."""
     server_args: list[str] = field(default_factory=list)
     """Extra arguments for the spawned server (e.g. ``--dtype float32 --max-model-len 512``)."""
+    server_model_impl: str = "titan"
+    """The spawned server's ``--model-impl``: ``titan``, or ``auto`` for vLLM's native class (a baseline that
+    still takes every push; its logprobs differ from the trainer's, BI or not)."""
     server_boot_timeout_s: float = 600.0
     swap_token_env: str = TOKEN_ENV
     """Environment variable holding the generators' swap token (a spawned server gets a random one if unset)."""

@@ -28,9 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_cmd(model_dir: str | Path, port: int, extra_args: Sequence[str] = ()) -> list[str]:
+def server_cmd(model_dir: str | Path, port: int, extra_args: Sequence[str] = (), model_impl: str = "titan") -> list[str]:
+    """``model_impl``: ``titan`` (the unified model), or ``auto`` for vLLM's native class (an RL baseline: it
+    still takes every push, ``vllm_titan_plugin.swap.targets``)."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--model-impl", "titan", "--host", "127.0.0.1", "--port", str(port), *extra_args]
+            "--model-impl", model_impl, "--host", "127.0.0.1", "--port", str(port), *extra_args]
 
 
 def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -44,13 +46,13 @@ class GeneratorServer:
     """Starts on construction; ``wait_ready()`` before use (a boot takes ~25 s on CPU); ``close()`` stops it."""
 
     def __init__(self, model_dir: str | Path, log_path: Path, extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+                 env: Mapping[str, str] | None = None, port: int | None = None, model_impl: str = "titan") -> None:
         self.port = free_port() if port is None else port  # a given port: e.g. a restart at the same address
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
-            self.proc = subprocess.Popen(server_cmd(model_dir, self.port, extra_args), stdout=log,
+            self.proc = subprocess.Popen(server_cmd(model_dir, self.port, extra_args, model_impl), stdout=log,
                                          stderr=subprocess.STDOUT, env=server_env(env), start_new_session=True)
         logger.info("vLLM server pid %d at %s (log %s)", self.proc.pid, self.base, log_path)
 

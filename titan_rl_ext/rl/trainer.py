@@ -208,7 +208,7 @@ class RLTrainer(Trainer):
             same = False
             if self.rank == 0:
                 ours = checksum(sd)
-                same = server_v == self.rl_version and all(self._pusher.checksums(u) == ours for u in served)
+                same = server_v == self.rl_version and all(self._serves(u, ours) for u in served)
             del sd
             if self._broadcast(same):
                 logger.info("RL: generators already serve version %d", server_v)
@@ -253,7 +253,8 @@ class RLTrainer(Trainer):
             # the generator we start is ours: its weights listener (a free loopback port) is asked for here
             env = {TOKEN_ENV: token, SWAP_PORT_ENV: "0", BI_ENV: "1" if self._bi_at(self.step) else "0"}
             self._generator_bi = self._bi_at(self.step)
-            self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env)
+            self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env,
+                                           model_impl=rl.server_model_impl)
             self._server.wait_ready(rl.server_boot_timeout_s)
             urls.append(self._server.base)
         if not token:
@@ -265,6 +266,15 @@ class RLTrainer(Trainer):
         self._mlog = MetricsLogger(self.run_dir, config={"rl": config_dict(rl)})
         logging.getLogger("httpx").setLevel(logging.WARNING)
         return {u: self._server_version(u) for u in urls}
+
+    def _serves(self, url: str, ours: dict[str, str]) -> bool:
+        """Whether the generator at ``url`` holds exactly these weights (False where it cannot say: vLLM's
+        native class has no per-tensor checksums under titan names, so it gets a push)."""
+        try:
+            return self._pusher.checksums(url) == ours
+        except Exception as e:  # noqa: BLE001 - an unanswered comparison is a mismatch
+            logger.info("RL: %s cannot compare checksums (%s); pushing", url, e)
+            return False
 
     @staticmethod
     def _server_version(url: str) -> tuple[int, str | None]:

@@ -2,7 +2,8 @@
 
     python -m titan_rl_ext.tools.plot RUN_DIR [--out DIR]
 
-Writes ``gap.png`` (trainer/generator logprob gap), ``reward.png`` (mean +- std, response length),
+Writes ``gap.png`` (trainer/generator logprob gap, an axis from 0), ``reward.png`` (mean +- std clipped to
+the rewards' range, response length),
 ``throughput.png`` (trainer tokens/s over the full step, swap latency) and ``staleness.png`` into
 ``RUN_DIR/plots`` (or ``--out``). A metric the run never logged leaves its axes empty with a note,
 so every file is always written. Needs matplotlib (headless Agg backend).
@@ -49,6 +50,17 @@ def _plot_lines(ax: Any, records: Sequence[dict[str, Any]], keys: Sequence[str],
     return drawn
 
 
+REWARD_RANGE = (0.0, 1.0)
+"""Every reward of this project's tasks (synthetic, math, exact match) is in [0, 1]."""
+
+
+def gap_axis(ax: Any) -> None:
+    """A logprob gap is an absolute difference: symlog (batch-invariant runs log exact zeros, which a log
+    axis cannot show) from 0 up, so the axis has no negative half."""
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.set_ylim(bottom=0)
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     import matplotlib
 
@@ -71,8 +83,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     fig, (ax_gap, ax_ratio) = plt.subplots(1, 2, figsize=(10, 4))
     gap_keys = [M.LOGPROB_DIFF_ABS_MEAN, M.LOGPROB_DIFF_MAX, M.STALE_LOGPROB_DIFF_ABS_MEAN, M.STALE_LOGPROB_DIFF_MAX]
     if _plot_lines(ax_gap, records, gap_keys, "|lp_gen - lp_trainer|"):
-        # symlog: batch-invariant runs log exact zeros, which a log axis cannot show
-        ax_gap.set_yscale("symlog", linthresh=1e-8)
+        gap_axis(ax_gap)
     _plot_lines(ax_ratio, records, [M.RATIO_TOKENS_DIFFERENT, M.STALE_RATIO_TOKENS_DIFFERENT],
                 "fraction of tokens differing")
     save(fig, "gap.png", "trainer vs generator logprobs")
@@ -82,7 +93,10 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         xs, mean = _series(records, M.REWARD_MEAN)
         sx, std = _series(records, M.REWARD_STD)
         if sx == xs:
-            ax_rew.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+            lo, hi = REWARD_RANGE  # the band is clipped to the rewards that exist: mean +- std can leave them
+            ax_rew.fill_between(xs, [max(lo, m - s) for m, s in zip(mean, std)],
+                                [min(hi, m + s) for m, s in zip(mean, std)], alpha=0.2)
+            ax_rew.set_ylim(lo - 0.02, hi + 0.02)
     _plot_lines(ax_len, records, [M.RESPONSE_LENGTH_MEAN], "generated tokens")
     save(fig, "reward.png", "reward")
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The RL loop on one GPU, three generator arms of one recipe (issue 22): `rl_gpu_hybrid` (titan_rl_ext/configs/rl.py)
+# with the generator on vLLM's native Qwen3.5 class, on --model-impl titan, and on titan with batch invariance.
+# On the lent H200, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH), with fla-core's
+# wheel and the trainer's wheels (`bash scripts/make_trainer_carry.sh`) in .whl/ -- one stage per command:
+#   bash tests/gpu/run_rl_e2e.sh setup      # install, build the 0.85 B checkpoint and its warm-up (cached in /tmp/rlcache)
+#   bash tests/gpu/run_rl_e2e.sh titan_bi   # one arm: 40 steps (RL_STEPS), metrics.jsonl + plots in $OUT/<arm>
+#   bash tests/gpu/run_rl_e2e.sh titan
+#   bash tests/gpu/run_rl_e2e.sh native
+#   bash tests/gpu/run_rl_e2e.sh report     # arms.png + rl_gpu.json over the arms found in $OUT (TITAN_GIT names the commit)
+# A stage that needs the checkpoint builds it first when this machine has none (a fresh lease).
+set -uo pipefail
+out=${OUT:-/tmp/rl-gpu}
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=4
+export TITAN_RL_CACHE=/tmp/rlcache
+export PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
+what=${1:?stage: setup | titan_bi | titan | native | report}
+
+install() {
+    [ -f /tmp/titan-site/.installed ] && return 0
+    python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/titan-site . || return 1
+    python3 -m pip install -q --no-deps --no-index --target /tmp/titan-site .whl/fla_core-*.whl .whl/trainer/*.whl || return 1
+    touch /tmp/titan-site/.installed
+}
+checkpoint() {
+    python3 -c "from titan_rl_ext.configs.rl import gpu_rl_checkpoint; print(gpu_rl_checkpoint())" > "$out/setup.log" 2>&1 \
+        || { tail -20 "$out/setup.log"; return 1; }
+    tail -3 "$out/setup.log"
+}
+install || { echo "install failed"; exit 1; }
+
+case $what in
+setup)
+    t=$(date +%s); checkpoint || exit 1; echo "checkpoint + warm-up in $(( $(date +%s) - t )) s"
+    python3 -c "from titan_rl_ext.compat import patch_torchtitan; patch_torchtitan(); import torchtitan.trainer; print('torchtitan imports')" 2>&1 | tail -2
+    ;;
+titan_bi|titan|native)
+    [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1
+    case $what in
+        titan_bi) arm=(--rl.batch-invariant-steps 1000000) ;;
+        titan) arm=() ;;
+        native) arm=(--rl.server-model-impl auto) ;;
+    esac
+    rm -rf "$out/$what" "/tmp/dump_$what"
+    t=$(date +%s)
+    timeout ${ARM_TIMEOUT:-570} python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train \
+        --module titan_rl_ext.configs --config rl_gpu_hybrid --training.steps ${RL_STEPS:-40} \
+        --rl.run-dir "$out/$what" --dump-folder "/tmp/dump_$what" "${arm[@]}" > "$out/$what.log" 2>&1
+    rc=$?
+    echo "$what rc=$rc in $(( $(date +%s) - t )) s"
+    grep "RL step" "$out/$what.log" | sed -n '1,3p;$p' | cut -c60-
+    [ $rc -eq 0 ] || { grep -v "^\[rank" "$out/$what.log" | tail -30; cp "$out/$what/server.log" "$out/${what}_server.log" 2>/dev/null; }
+    python3 -m titan_rl_ext.tools.plot "$out/$what" > /dev/null 2>&1
+    ;;
+report)
+    arms=(); for a in native titan titan_bi; do [ -f "$out/$a/metrics.jsonl" ] && arms+=("$a=$out/$a"); done
+    gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())")
+    python3 -m titan_rl_ext.tools.rl_arms "${arms[@]}" --out "$out" \
+        --env "{\"git\": \"${TITAN_GIT:-$(git rev-parse HEAD 2>/dev/null)}\", \"gpu\": \"$gpu\", \"recipe\": \"rl_gpu_hybrid\"}"
+    ;;
+*) echo "unknown stage $what"; exit 2 ;;
+esac

@@ -537,3 +537,35 @@ def test_batch_invariance_switch_on_the_generator(server: Server) -> None:
     # and the switch really changes the kernels: other summation orders, other low bits
     assert outs[True][0] != outs[False][0], (outs[True][0], outs[False][0])
     server.pusher.set_batch_invariant(False)
+
+
+def test_signed_push_cannot_be_replayed(server: Server) -> None:
+    """The project's pusher signs every request (``wire.signing``) instead of sending the token. A captured
+    signed push works once: sent again, or with its signature under another ``version``, or signed for
+    another boot of the server, it is refused before its body is read and the version stays. (A ``Bearer``
+    header, the token itself, would authorise any later push: the server takes it unless started with
+    ``TITAN_SWAP_SIGNED_ONLY=1``; the control below shows what a captured one allows.)"""
+    import requests
+
+    from titan_rl_ext.wire import signing
+
+    doc = requests.get(f"{server.base}{ROUTE}/version", timeout=10).json()
+    v, boot = doc["version"], doc["boot_id"]
+    body = serialize(server.reference)
+    params = {"version": str(v + 1), "mode": "keep"}
+    signed = {"Authorization": signing.authorization(TOKEN, "POST", ROUTE, params, boot)}
+    assert TOKEN not in signed["Authorization"]
+    r = requests.post(f"{server.base}{ROUTE}", params=params, data=body, headers=signed, timeout=120)
+    assert r.status_code == 200, r.text
+    again = requests.post(f"{server.base}{ROUTE}", params=params, data=body, headers=signed, timeout=60)
+    assert again.status_code == 401 and "replayed" in again.json()["detail"], again.text
+    later = {"version": str(v + 2), "mode": "keep"}
+    moved = requests.post(f"{server.base}{ROUTE}", params=later, data=body, headers=signed, timeout=60)
+    assert moved.status_code == 403, moved.text
+    other_boot = {"Authorization": signing.authorization(TOKEN, "POST", ROUTE, later, "another-boot")}
+    r = requests.post(f"{server.base}{ROUTE}", params=later, data=body, headers=other_boot, timeout=60)
+    assert r.status_code == 403, r.text
+    assert _version(server) == v + 1
+    # the control: a captured Bearer header authorises a later version too
+    r = requests.post(f"{server.base}{ROUTE}", params=later, data=body, headers=_auth(), timeout=120)
+    assert r.status_code == 200 and _version(server) == v + 2, r.text

@@ -52,7 +52,7 @@ class WeightPusher:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.urls = [u.rstrip("/") for u in urls]
         self.transport = transport
-        self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"}
+        self._token = token  # never sent: every request carries a signature made with it (``wire.signing``)
         self.timeout_s = timeout_s
         self._push_urls: dict[str, tuple[str, str]] = {}  # server URL -> (its boot id, where its pushes go)
         self.use_listener = use_listener  # False: push through the OpenAI port (what a listener-less server has)
@@ -106,8 +106,9 @@ class WeightPusher:
         import requests
 
         for url in self.urls:
-            r = requests.post(f"{url}{BI_ROUTE}", params={"enabled": "1" if enabled else "0"},
-                              headers=self._headers, timeout=self.timeout_s)
+            params = {"enabled": "1" if enabled else "0"}
+            r = requests.post(f"{url}{BI_ROUTE}", params=params, headers=self._signed(url, "POST", BI_ROUTE, params),
+                              timeout=self.timeout_s)
             if r.status_code != 200 or r.json().get("batch_invariant") is not bool(enabled):
                 raise WeightPushError(f"{url}: switching batch invariance {'on' if enabled else 'off'} failed: "
                                       f"HTTP {r.status_code} {r.text[:500]}", [])
@@ -116,7 +117,9 @@ class WeightPusher:
         """The live model's per-parameter checksums on one server (the first by default)."""
         import requests
 
-        r = requests.get(f"{url or self.urls[0]}{CHECKSUMS_ROUTE}", headers=self._headers, timeout=self.timeout_s)
+        url = url or self.urls[0]
+        r = requests.get(f"{url}{CHECKSUMS_ROUTE}", headers=self._signed(url, "GET", CHECKSUMS_ROUTE, {}),
+                         timeout=self.timeout_s)
         r.raise_for_status()
         return r.json()["checksums"]
 
@@ -160,6 +163,17 @@ class WeightPusher:
     def _boot_at(self, base: str) -> str | None:
         return self._discover(base, timeout_cap_s=10.0)[0]
 
+    def _signed(self, url: str, method: str, path: str, params: Mapping[str, str], boot: str | None = None) -> dict[str, str]:
+        """Headers of one request signed for the server at ``url`` as it is now (its boot id, asked unless
+        given): the signature is good for this request on this boot only, and the token stays here."""
+        from titan_rl_ext.wire.signing import authorization
+
+        boot = boot or self._boot_at(url)
+        if boot is None:
+            raise WeightPushError(f"{url}: no boot id from its version route, so no request can be signed for it", [])
+        return {"Authorization": authorization(self._token, method, path, params, boot),
+                "Content-Type": "application/octet-stream"}
+
     @staticmethod
     def _listener_url(url: str, port: int) -> str:
         import urllib.parse
@@ -174,16 +188,17 @@ class WeightPusher:
 
         target = self.push_url(url)
         try:
+            boot = self._push_urls[url][0] if url in self._push_urls else None
             try:
-                r = requests.post(f"{target}{WEIGHTS_ROUTE}", params=params, data=payload, headers=self._headers,
-                                  timeout=self.timeout_s)
+                r = requests.post(f"{target}{WEIGHTS_ROUTE}", params=params, data=payload,
+                                  headers=self._signed(url, "POST", WEIGHTS_ROUTE, params, boot), timeout=self.timeout_s)
             except requests.ConnectionError:
                 if target == url:
                     raise
                 self._push_urls.pop(url, None)  # the listener is gone (restart?): the server's own port serves too
-                r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=payload, headers=self._headers,
-                                  timeout=self.timeout_s)
-        except requests.RequestException as e:
+                r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=payload,
+                                  headers=self._signed(url, "POST", WEIGHTS_ROUTE, params), timeout=self.timeout_s)
+        except (requests.RequestException, WeightPushError) as e:
             return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
         if r.status_code == 200:
             return {"url": url, "ok": True, "status": 200, "response": r.json()}

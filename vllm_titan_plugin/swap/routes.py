@@ -1,8 +1,9 @@
 """HTTP routes of the weight push (served by the OpenAI app and by the weights listener).
 
-- ``POST /titan/v1/weights?version=N[&mode=keep|recompute][&pause=1]``, ``Authorization: Bearer <token>``, body =
-  the bytes of a safetensors file with the full titan state dict under titan names. 401 no token,
-  403 wrong token, 400 bad query or unparseable payload, 409 ``version`` not above the current one,
+- ``POST /titan/v1/weights?version=N[&mode=keep|recompute][&pause=1]``, ``Authorization: Titan-HMAC ...`` (a
+  signature of this request for this boot, ``wire.signing``) or ``Bearer <token>``, body = the bytes of a
+  safetensors file with the full titan state dict under titan names. 401 no token, a replayed or stale
+  signature, 403 wrong token or signature, 400 bad query or unparseable payload, 409 ``version`` not above the current one,
   413 payload over ``2 * model bytes + 1 MiB`` (refused from ``Content-Length`` before reading, or as
   soon as the stream passes the bound), 422 wrong/missing/extra names, shapes, dtypes or NaN/Inf,
   naming the tensors. Everything is validated before any weight changes. Then, between two engine
@@ -45,6 +46,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request  # module level: FastAPI resolves the string annotations
 
+from titan_rl_ext.wire import signing
 from titan_rl_ext.wire.protocol import (
     BI_ROUTE, CHECKSUMS_ROUTE, MODES, TRANSPORTS, VERSION_ROUTE, WEIGHTS_ROUTE,
 )
@@ -54,6 +56,9 @@ from vllm_titan_plugin.swap.validate import PushRejected, check_spec, manifest_s
 from vllm_titan_plugin.swap.worker import first_refusal
 
 logger = logging.getLogger("vllm.titan_plugin")
+
+SIGNED_ONLY_ENV = "TITAN_SWAP_SIGNED_ONLY"
+"""``1``: refuse ``Bearer`` (the token on the wire) and take only signed requests (``wire.signing``)."""
 
 # Only where the engine does not stamp its outputs (vLLM 0.26): after the pause returns, outputs of the
 # last engine step may still be on their way through the API server; they must leave as the old version.
@@ -101,6 +106,8 @@ class SwapState:
 
     def __init__(self, token: str, app: Any, engine_tags: bool) -> None:
         self._token = token.encode()
+        self._nonces = signing.NonceLedger()
+        self.signed_only = os.environ.get(SIGNED_ONLY_ENV, "0") == "1"
         self.app = app  # the OpenAI app: vLLM stores its engine client there once it is built
         self.engine_tags = engine_tags  # the engine core stamps its outputs with the version
         self.version = 0
@@ -144,15 +151,35 @@ class SwapState:
             raise PushRejected(503, "the API server has not started serving yet; retry")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
-    def auth_error(self, authorization: str | None) -> tuple[int, str] | None:
+    def auth_error(self, authorization: str | None, method: str = "", path: str = "",
+                   query: list[tuple[str, str]] | None = None) -> tuple[int, str] | None:
+        """401/403 and why, or None: a ``Titan-HMAC`` signature of this request (method, path, query) for this
+        boot (``wire.signing``), or -- unless ``TITAN_SWAP_SIGNED_ONLY=1`` -- ``Bearer <token>``."""
         if not authorization:
-            return 401, "missing Authorization: Bearer token"
+            return 401, "missing Authorization (Bearer <token> or a Titan-HMAC signature)"
         scheme, _, given = authorization.partition(" ")
+        if scheme == signing.SCHEME:
+            try:
+                nonce, ts, sig = signing.parse(authorization)
+            except ValueError as e:
+                return 401, str(e)
+            want = signing.signature(self._token, method, path, query or [], self.boot_id, nonce, ts)
+            if not hmac.compare_digest(sig, want):
+                return 403, "invalid signature (wrong token, another request, or another boot of this server)"
+            if (why := self._nonces.admit(nonce, ts)) is not None:
+                return 401, why
+            return None
+        if self.signed_only:
+            return 401, f"this server takes {signing.SCHEME}-signed requests only ({SIGNED_ONLY_ENV}=1)"
         if scheme.lower() != "bearer" or not given.strip():
-            return 401, "Authorization must be 'Bearer <token>'"
+            return 401, "Authorization must be 'Bearer <token>' or a Titan-HMAC signature"
         if not hmac.compare_digest(given.strip().encode(), self._token):
             return 403, "invalid token"
         return None
+
+    def request_auth_error(self, request: Request) -> tuple[int, str] | None:
+        return self.auth_error(request.headers.get("authorization"), request.method, request.url.path,
+                               list(request.query_params.multi_items()))
 
     async def spec(self) -> dict[str, list[Any]]:
         """The served parameters' names, dtypes and shapes (asked once; the model does not change shape)."""
@@ -212,7 +239,7 @@ def make_router(state: SwapState) -> Any:
 
     @router.get(CHECKSUMS_ROUTE, response_model=ChecksumsResponse)
     async def weight_checksums(request: Request) -> Any:
-        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+        if (err := state.request_auth_error(request)) is not None:
             return _error(*err)
 
         async def read() -> ChecksumsResponse:
@@ -230,7 +257,7 @@ def make_router(state: SwapState) -> Any:
         """BI as a debug switch, flipped together with the trainer. The engine is paused with its caches
         cleared: BI attention keeps keys/values in its own paged layout, which the backend's kernels must
         not read (and vice versa), so in-flight requests are recomputed under the new setting."""
-        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+        if (err := state.request_auth_error(request)) is not None:
             return _error(*err)
         raw = request.query_params.get("enabled")
         if raw not in ("0", "1", "true", "false"):
@@ -250,7 +277,7 @@ def make_router(state: SwapState) -> Any:
     @router.post(WEIGHTS_ROUTE, response_model=PushResponse)
     async def push_weights(request: Request) -> Any:
         entered = time.time()
-        if (err := state.auth_error(request.headers.get("authorization"))) is not None:
+        if (err := state.request_auth_error(request)) is not None:
             return _error(*err)
         q = request.query_params
         raw = q.get("version", "")

@@ -146,35 +146,6 @@ def test_rl_train_batch_invariant_window(tmp_path: Path) -> None:
     assert switches == ["off", "on", "off"], switches  # at start, before step 2's rollouts, before step 3's
 
 
-def test_rl_train_off_policy_exact_gap(tmp_path: Path) -> None:
-    """Off-policy (window 1) with BI: the tokens of older versions are recomputed with the weights that
-    sampled them (``--rl.stale-gap-versions 2``), so every single-version sample's tokens are compared --
-    fresh ones under ``bit_wise/*``, stale ones under ``bit_wise_stale/*`` -- and all are exactly equal."""
-    with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
-        _torchrun(tmp_path, cache, srv.base, 3, "train.log",
-                  extra=("--rl.offpolicy", "1", "--rl.stale-gap-versions", "2", "--rl.eval-every", "0"))
-    run = tmp_path / "run"
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3]
-    stale_total = 0
-    for r, roll in zip(recs, rolls):
-        samples = [smp for g in roll["groups"] for smp in g["samples"]]
-        single = sum(len(smp["completion_ids"]) for smp in samples if len(set(smp["token_versions"])) == 1)
-        mixed = sum(len(set(smp["token_versions"])) > 1 for smp in samples)
-        print({k: r.get(k) for k in ("step", "staleness/max", "bit_wise/num_tokens", "bit_wise_stale/num_tokens",
-                                     "bit_wise_stale/logprob_diff/max", "bit_wise_stale/skipped_samples")})
-        # a window of 1 with 2 remembered versions: every single-version sample is fresh or recomputable
-        assert r["bit_wise/num_tokens"] + r["bit_wise_stale/num_tokens"] == single, (r, single)
-        assert r["bit_wise_stale/skipped_samples"] == mixed
-        for k, n in (("bit_wise/logprob_diff/max", "bit_wise/num_tokens"),
-                     ("bit_wise_stale/logprob_diff/max", "bit_wise_stale/num_tokens")):
-            # exactly 0 over the compared tokens; NaN only where this step compared none
-            assert (r[k] == 0.0) if r[n] > 0 else (r[k] != r[k]), (k, r[k], n, r[n])
-        stale_total += r["bit_wise_stale/num_tokens"]
-    assert stale_total > 0  # the generators ran ahead: some steps trained on the previous version's samples
-
-
 def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
     """2 ranks (gloo, FSDP2-sharded model): rank 0 generates and broadcasts, each rank trains on half the
     groups, the sharded weights are gathered and pushed. On-policy with BI on, every rank's recompute
@@ -205,8 +176,10 @@ def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
 
 def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
     """The one-GPU recipe of the three-arm comparison (``rl_gpu_hybrid``) at toy size on CPU, its BI arm: it
-    spawns its own generator, warms the model up, trains 3 steps off-policy (window 2) and every fresh and
-    stale token's gap is exactly 0; the arms report reads the run into ``rl_gpu.json``."""
+    spawns its own generator, warms the model up and trains 3 steps off-policy (window 2). The tokens of
+    older versions are recomputed with the weights that sampled them (``stale_gap_versions`` 3), so every
+    single-version sample's tokens are compared -- fresh ones under ``bit_wise/*``, stale ones under
+    ``bit_wise_stale/*`` -- and all are exactly equal; the arms report reads the run into ``rl_gpu.json``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -217,9 +190,24 @@ def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [1, 2, 3]
     assert recs[0]["bit_wise/num_tokens"] > 0 and recs[0]["bit_wise/logprob_diff/max"] == 0.0, recs[0]
-    assert sum(x.get("bit_wise_stale/num_tokens", 0) for x in recs) > 0  # the window let the generator run ahead
+    stale_total = 0
+    for r, roll in zip(recs, rolls):
+        samples = [smp for g in roll["groups"] for smp in g["samples"]]
+        single = sum(len(smp["completion_ids"]) for smp in samples if len(set(smp["token_versions"])) == 1)
+        mixed = sum(len(set(smp["token_versions"])) > 1 for smp in samples)
+        # a window of 2 with 3 remembered versions: every single-version sample is fresh (bit_wise/*) or
+        # recomputed with the weights that sampled it (bit_wise_stale/*); a sample straddling a swap is skipped
+        assert r["bit_wise/num_tokens"] + r["bit_wise_stale/num_tokens"] == single, (r, single)
+        assert r["bit_wise_stale/skipped_samples"] == mixed
+        for k, n in (("bit_wise/logprob_diff/max", "bit_wise/num_tokens"),
+                     ("bit_wise_stale/logprob_diff/max", "bit_wise_stale/num_tokens")):
+            # exactly 0 over the compared tokens; NaN only where this step compared none
+            assert (r[k] == 0.0) if r[n] > 0 else (r[k] != r[k]), (k, r[k], n, r[n])
+        stale_total += r["bit_wise_stale/num_tokens"]
+    assert stale_total > 0  # the window let the generator run ahead: some steps trained on older samples
     from titan_rl_ext.tools.rl_arms import main as arms
 
     assert arms([f"titan_bi={run}", "--out", str(tmp_path / "report"), "--env", '{"git": "test"}']) == 0

@@ -400,7 +400,7 @@ def step_anatomy(fn: Callable[[], Any], step_scope: str = "gpu_model_runner: pre
     starts.sort()
     kernels.sort()
     walls = [(b - a) / 1e3 for a, b in zip(starts, starts[1:])]
-    busy, first_kernel_lag = [], []
+    busy = []
     for a, b in zip(starts, starts[1:]):
         inside = [(max(s, a), min(t, b)) for s, t in kernels if t > a and s < b]
         busy.append(sum(t - s for s, t in inside) / 1e3)

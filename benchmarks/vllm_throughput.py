@@ -114,6 +114,13 @@ def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
             + [{"op": "prefill", "N": n, "L": length}])
 
 
+def _names(wl: dict[str, Any]) -> tuple[str, str, str]:
+    """A workload's key (as the worker reports it) and its (kind, size) in the results: ``decode B=32``,
+    ("decode", "32"); ``prefill 16x2048``, ("prefill", "16x2048")."""
+    size = str(wl["B"]) if wl["op"] == "decode" else f"{wl['N']}x{wl['L']}"
+    return (f"decode B={size}" if wl["op"] == "decode" else f"prefill {size}"), wl["op"], size
+
+
 def _tok_s(w: dict[str, Any], s: float) -> float:
     return w["B"] * w["tokens"] / s if w["op"] == "decode" else w["N"] * w["L"] / s
 
@@ -147,19 +154,19 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
                 except RuntimeError as e:
                     results[cfg] = {"error": str(e)[-3000:]}
                     print(f"[{cfg}] FAILED\n{results[cfg]['error']}", flush=True)
+                    workers[cfg].stop()  # its GPU memory goes back to the engines still timed
     for cfg in live:
         r = results[cfg]
         if "error" in r:
             continue
         for wl in _workloads(args):
-            key = f"decode B={wl['B']}" if wl["op"] == "decode" else f"prefill {wl['N']}x{wl['L']}"
-            kind, k = ("decode", str(wl["B"])) if wl["op"] == "decode" else ("prefill", f"{wl['N']}x{wl['L']}")
-            r[kind][k] = _tok_s(wl, statistics.median(r["times_s"][key]))
+            key, kind, size = _names(wl)
+            r[kind][size] = _tok_s(wl, statistics.median(r["times_s"][key]))
         extras = [("profile", args.profile, _workloads(args)), ("anatomy", args.step_anatomy, _workloads(args)[:-1]),
                   ("host_profile", args.host_profile, _workloads(args)[:-1])]
         for op, on, wls in extras:
             for wl in wls if on else []:
-                key = f"decode B={wl['B']}" if wl["op"] == "decode" else f"prefill {wl['N']}x{wl['L']}"
+                key = _names(wl)[0]
                 try:
                     r.setdefault(op, {})[key] = workers[cfg].ask({**wl, "op": op, "workload": wl["op"]}, args.timeout)
                 except RuntimeError as e:

@@ -44,11 +44,16 @@ def _tiny_rl_server(tmp_path: Path, batch_invariant: bool) -> Iterator[tuple[Any
         yield srv, cache
 
 
+def _train_env(tmp_path: Path, cache: Path, **extra: str) -> dict[str, str]:
+    """A torchrun trainer's environment: offline, one thread, the recipe cache in ``cache``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(cache),
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+
+
 def _torchrun(tmp_path: Path, cache: Path, base: str, steps: int, log_name: str, nproc: int = 1,
               extra: tuple[str, ...] = (), timeout: float = 300) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(cache), TITAN_SWAP_TOKEN=TOKEN,
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = _train_env(tmp_path, cache, TITAN_SWAP_TOKEN=TOKEN)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_tiny_cpu",
            "--training.steps", str(steps), "--rl.no-spawn-server", "--rl.generator-urls", base,
@@ -180,9 +185,7 @@ def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
     older versions are recomputed with the weights that sampled them (``stale_gap_versions`` 3), so every
     single-version sample's tokens are compared -- fresh ones under ``bit_wise/*``, stale ones under
     ``bit_wise_stale/*`` -- and all are exactly equal; the arms report reads the run into ``rl_gpu.json``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(tmp_path / "cache"),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = _train_env(tmp_path, tmp_path / "cache")
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_gpu_hybrid_toy",

@@ -5,8 +5,10 @@ What ``test_weight_swap.py`` does not cover yet, against one real OpenAI API ser
 
 - pushers killed (SIGKILL) in the middle of a push, and once right after the whole body: the weights,
   the version, the staging files in /dev/shm, the server's connections and its memory afterwards;
-- 64 concurrent streaming completions (kept at 64 until the last swap has landed) while 6 swaps land
-  (``recompute`` and ``keep``): nothing lost, every chunk tagged, versions monotone per request, and every
+- 64 concurrent completions (kept at 64 until the last swap has landed; most streamed, some answered whole,
+  some with two choices) while 6 swaps land (``recompute`` and ``keep``); the per-token versions come from
+  the plugin's own token counts (``swap.ledger``), not vLLM's output stamps, which vLLM 0.26 lacks:
+  nothing lost, every chunk tagged, versions monotone per request, and every
   token of 64 replayed requests has exactly the logprob the trainer's model gives when it replays the
   request as the engine ran it (BI): recomputed with the new weights after ``recompute``, continuing on
   the old weights' KV/GDN state after ``keep``;
@@ -424,6 +426,8 @@ class Stream:
     done: bool  # [DONE] received
     error: str = ""
     max_tokens: int = 0
+    streamed: bool = True
+    n: int = 1  # choices
 
 
 def _extra_tokens(i: int) -> int:
@@ -432,14 +436,32 @@ def _extra_tokens(i: int) -> int:
     return (i * 37) % 64
 
 
+def _kind(i: int) -> tuple[bool, int]:
+    """(streamed, n) of load request ``i``: most stream one choice; every 8th is answered whole (its spans
+    come in the JSON body), and every 8th, shifted, streams two choices (``n=2``: two engine requests)."""
+    return (i % 8 != 5), (2 if i % 8 == 2 else 1)
+
+
 async def _stream_one(s: Server, client: Any, prompt: list[int], max_tokens: int,
-                      on_chunk: Callable[[int, bool, int], None]) -> Stream:
+                      on_chunk: Callable[[int, bool, int], None], streamed: bool = True, n: int = 1) -> Stream:
     from titan_rl_ext.rl.sse import parse_sse_line, sse_lines
 
     body = {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
-    out = Stream(prompt, 0, [], False, max_tokens=max_tokens)
+            "stream": streamed, "n": n, "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = Stream(prompt, 0, [], False, max_tokens=max_tokens, streamed=streamed, n=n)
     try:
+        if not streamed:  # one JSON body: counted as started now, its tokens when it ends
+            on_chunk(0, True, -1)
+            r = await client.post(f"{s.base}/v1/completions", json=body)
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = r.text[:2000]
+                return out
+            item = r.json()
+            out.chunks.append(item)
+            out.done = True
+            on_chunk(sum(len(c.get("token_ids") or ()) for c in item.get("choices") or ()), False, -1)
+            return out
         async with client.stream("POST", f"{s.base}/v1/completions", json=body) as r:
             out.status = r.status_code
             if r.status_code != 200:
@@ -453,8 +475,8 @@ async def _stream_one(s: Server, client: Any, prompt: list[int], max_tokens: int
                     out.done = True
                     break
                 out.chunks.append(item)
-                n = sum(len(c.get("token_ids") or ()) for c in item.get("choices") or ())
-                on_chunk(n, len(out.chunks) == 1, item.get(VERSION_FIELD, -1))
+                k = sum(len(c.get("token_ids") or ()) for c in item.get("choices") or ())
+                on_chunk(k, len(out.chunks) == 1, item.get(VERSION_FIELD, -1))
     except Exception as e:  # noqa: BLE001 - reported by the test
         out.error = f"{type(e).__name__}: {e}"
     return out
@@ -510,8 +532,8 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
         finally:
             swaps_done.set()
 
-    async def one(client: Any, prompt: list[int], max_tokens: int) -> Stream:
-        st = await _stream_one(server, client, prompt, max_tokens, on_chunk)
+    async def one(client: Any, prompt: list[int], max_tokens: int, streamed: bool, n: int) -> Stream:
+        st = await _stream_one(server, client, prompt, max_tokens, on_chunk, streamed, n)
         with cond:
             progress["finished"] += 1
             cond.notify_all()
@@ -528,7 +550,7 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
             def launch() -> None:
                 i = len(tasks)
                 tasks.append(asyncio.create_task(one(client, _prompt(8 + i % 17, seed=1000 + i),
-                                                     LOAD_TOKENS + _extra_tokens(i))))
+                                                     LOAD_TOKENS + _extra_tokens(i), *_kind(i))))
 
             for _ in range(LOAD_REQUESTS):
                 launch()
@@ -556,28 +578,37 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
     # nothing failed or got lost; every chunk is tagged; versions only move forward
     failed = [(i, st.status, st.error) for i, st in enumerate(streams) if st.status != 200 or st.error or not st.done]
     assert not failed, failed[:5]
-    gens = []
+    gens, prompts, kinds = [], [], []  # one entry per choice
     chunk_tags = chunk_tag_errors = 0
     for st in streams:
-        assert all(VERSION_FIELD in c for c in st.chunks), [c for c in st.chunks if VERSION_FIELD not in c][:2]
         last = [ch for c in st.chunks for ch in c.get("choices") or () if ch.get("finish_reason") is not None]
-        # the engine core's stamps, not the API server's clock: the versions come as spans with the last chunk
-        assert len(last) == 1 and isinstance(last[0].get(SPANS_FIELD), list), last
+        # the engine core's counts, not the API server's clock: the versions come as spans with each last chunk
+        assert len(last) == st.n and all(isinstance(ch.get(SPANS_FIELD), list) for ch in last), last
         acc = StreamAccumulator()
         for c in st.chunks:
             acc.feed(c)  # raises on an in-stream error event, and on spans that do not tile the tokens
-        g = acc.result()
-        n = 0  # each chunk's tag is its last token's version, as the spans give it
-        for c in st.chunks:
-            k = sum(len(ch.get("token_ids") or ()) for ch in c.get("choices") or ())
-            n += k
-            if k:
-                chunk_tags += 1
-                chunk_tag_errors += c[VERSION_FIELD] != g.versions[n - 1]
-        assert len(g.token_ids) == st.max_tokens and g.finish_reason == "length", (len(g.token_ids), g.finish_reason)
-        assert all(a <= b for a, b in zip(g.versions, g.versions[1:])), g.versions
-        assert set(g.versions) <= set(weights), set(g.versions)
-        gens.append(g)
+        choices = acc.results()
+        assert len(choices) == st.n
+        if st.streamed:
+            assert all(VERSION_FIELD in c for c in st.chunks), [c for c in st.chunks if VERSION_FIELD not in c][:2]
+            sent = [0] * st.n  # each chunk's tag is its last token's version, as the spans give it
+            for c in st.chunks:
+                expect = None
+                for ch in c.get("choices") or ():
+                    k = int(ch.get("index", 0))
+                    sent[k] += len(ch.get("token_ids") or ())
+                    if ch.get("token_ids"):
+                        expect = choices[k].versions[sent[k] - 1]
+                if expect is not None:
+                    chunk_tags += 1
+                    chunk_tag_errors += c[VERSION_FIELD] != expect
+        for g in choices:
+            assert len(g.token_ids) == st.max_tokens and g.finish_reason == "length", (len(g.token_ids), g.finish_reason)
+            assert all(a <= b for a, b in zip(g.versions, g.versions[1:])), g.versions
+            assert set(g.versions) <= set(weights), set(g.versions)
+            gens.append(g)
+            prompts.append(st.prompt)
+            kinds.append("whole" if not st.streamed else f"n={st.n}")
     straddling = [g for g in gens if len(set(g.versions)) > 1]
     assert straddling, "no request straddled a swap"
     late = sorted(set(range(v0, final + 1)) - {v for g in gens for v in g.versions})
@@ -588,6 +619,8 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
     spot: list[int] = []
     for v in range(v0 + 1, final + 1):
         spot += [i for i, g in enumerate(gens) if g.versions[0] < v <= g.versions[-1] and i not in spot][:1]
+    for kind in ("whole", "n=2"):  # a straddling choice of a non-streamed request, and of a two-choice stream
+        spot += [i for i, g in enumerate(gens) if kinds[i] == kind and len(set(g.versions)) > 1 and i not in spot][:2]
     by_versions = sorted(range(len(gens)), key=lambda i: (-len(set(gens[i].versions)), i))
     spot += [i for i in by_versions if i not in spot][:SPOT_CHECK - len(spot)]
     t1 = time.perf_counter()
@@ -595,14 +628,14 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
     torch.set_num_threads(1)  # next to a busy server, 2 OpenMP threads on these 2 cores crawl
     try:
         with torch.no_grad(), batch_invariant():
-            replayed = {i: _replay_request(server.trainer, weights, modes, streams[i].prompt, gens[i].token_ids,
+            replayed = {i: _replay_request(server.trainer, weights, modes, prompts[i], gens[i].token_ids,
                                            gens[i].versions) for i in spot}
             # what the final weights alone give: a token tagged with a wrong version would show
             server.trainer.load_state_dict(weights[final])
             final_lp = {}
             for k in range(0, len(spot), 4):
                 group = spot[k:k + 4]
-                seqs = [streams[i].prompt + gens[i].token_ids for i in group]
+                seqs = [prompts[i] + gens[i].token_ids for i in group]
                 batch = SeqBatch.from_lengths([len(x) for x in seqs])
                 lp_T = token_logprobs(server.trainer, torch.tensor([t for x in seqs for t in x]), batch)
                 for i, e in zip(group, batch.cu_seqlens[1:].tolist()):
@@ -638,7 +671,8 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
           f"of several versions after a 'keep' swap), "
           f"{len(mismatches)} mismatches (tokens whose tag is not the version that produced them), "
           f"{distinguishable}/{compared} differ under the final version; chunk tags {chunk_tags}, "
-          f"{chunk_tag_errors} disagree with the spans; trainer check {check_s:.1f} s")
+          f"{chunk_tag_errors} disagree with the spans; checked choices by kind "
+          f"{dict(collections.Counter(kinds[i] for i in spot))}; trainer check {check_s:.1f} s")
     assert checked == n_spot
     # every swap that landed with requests in flight is checked across, and both modes were
     crossed = [v for v in range(v0 + 1, final + 1) if in_flight[v]]
@@ -648,6 +682,8 @@ def test_streams_survive_swaps_under_load(server: Server) -> None:
     assert compared and distinguishable > 0.9 * compared  # a mistagged token would show
     assert not mismatches, mismatches[:5]
     assert chunk_tags and not chunk_tag_errors
+    for kind in ("whole", "n=2"):  # the spans hold for non-streamed answers and for each of n choices too
+        assert any(kinds[i] == kind and len(set(gens[i].versions)) > 1 for i in spot), f"no {kind} choice straddled a swap"
 
 
 # -- 3a. bad requests to the OpenAI routes -----------------------------------------------------------------

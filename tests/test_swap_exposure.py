@@ -72,7 +72,7 @@ def test_dev_guard_answers_from_the_headers() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    state = SwapState("push-token", SimpleNamespace(state=SimpleNamespace()), engine_tags=False)
+    state = SwapState("push-token", SimpleNamespace(state=SimpleNamespace()))
     guard = DevRoutesGuard(inner, state, frozenset({"/pause", "/collective_rpc"}))
 
     def status(path: str, auth: str | None) -> int:

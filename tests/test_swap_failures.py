@@ -33,6 +33,7 @@ class FakeEngine:
         self.worker_answer = worker_answer
         self.worker_calls: list[str] = []
         self.engine_core = SimpleNamespace(call_utility_async=self._utility)
+        self.output_processor = SimpleNamespace(request_states={})
 
     async def pause_generation(self, mode: str = "keep", clear_cache: bool = True) -> None:
         self.paused = True
@@ -48,28 +49,21 @@ class FakeEngine:
             raise self.worker_answer
         return [self.worker_answer]
 
-    async def _utility(self, name: str, *args: Any) -> dict[str, int]:
-        return {"resalted": 0, "in_flight": 0}
+    async def _utility(self, name: str, *args: Any) -> dict[str, Any]:
+        return {"resalted": 0, "in_flight": 0, "counts": {}}
 
 
 def _state(engine: FakeEngine) -> Any:
     from vllm_titan_plugin.swap.routes import SwapState
 
     app = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
-    return SwapState("token", app, engine_tags=False)
+    return SwapState("token", app)
 
 
 def _swap(state: Any, version: int) -> Any:
     from vllm_titan_plugin.swap import routes
 
     return asyncio.run(routes._swap(state, "titan_load_weights", "/payload", version, keep_cache=False, pause=True))
-
-
-@pytest.fixture(autouse=True)
-def _no_flush_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_titan_plugin.swap import routes
-
-    monkeypatch.setattr(routes, "FLUSH_SECONDS", 0.0)
 
 
 def test_swap_resumes_after_a_failed_pause() -> None:

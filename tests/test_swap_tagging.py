@@ -1,4 +1,5 @@
-"""Per-token versions from the engine's spans (vllm_titan_plugin.swap.tagging), without a server."""
+"""Per-token versions from the engine's token counts (vllm_titan_plugin.swap.ledger, .tagging), without a
+server. Against a real one: tests/test_reliability.py::test_streams_survive_swaps_under_load."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from typing import Any
 from titan_rl_ext.wire.protocol import SPANS_FIELD, VERSION_FIELD
 
 
-def _state(starts: list[tuple[str, int]], n: int) -> Any:
-    return SimpleNamespace(weight_version_starts=starts, detokenizer=SimpleNamespace(num_output_tokens=lambda: n))
+def _state(starts: list[tuple[int, int]] | None, n: int) -> Any:
+    from vllm_titan_plugin.swap.ledger import STARTS_ATTR
+
+    st = SimpleNamespace(detokenizer=SimpleNamespace(num_output_tokens=lambda: n))
+    if starts is not None:
+        setattr(st, STARTS_ATTR, starts)
+    return st
 
 
 def test_request_versions_spans_and_lookup() -> None:
@@ -18,7 +24,7 @@ def test_request_versions_spans_and_lookup() -> None:
 
     rv = RequestVersions()
     parent = object()
-    s1, s0 = _state([("2", 0), ("3", 4)], 6), _state([("default", 0)], 2)
+    s1, s0 = _state([(2, 0), (3, 4)], 6), _state([(0, 0)], 2)
     rv.add(s1, parent, 1)  # choices register out of order; n=2 children of one prompt
     rv.add(s0, parent, 0)
     assert rv.spans(0) == [[0, 0, 2]] and rv.spans(1) == [[2, 0, 4], [3, 4, 6]]
@@ -26,8 +32,8 @@ def test_request_versions_spans_and_lookup() -> None:
     assert rv.spans(2) is None and rv.version_at(5, 0) is None
     assert RequestVersions().spans(0) is None
     rv2 = RequestVersions()
-    rv2.add(_state([("not-a-number", 0)], 1), None, 0)  # set by something else: no claim
-    assert rv2.spans(0) is None
+    rv2.add(_state(None, 1), None, 0)  # registered before the hook was installed: no claim
+    assert rv2.spans(0) is None and rv2.version_at(0, 0) is None
 
 
 def test_annotator_tags_each_chunk_with_its_last_token() -> None:
@@ -36,7 +42,7 @@ def test_annotator_tags_each_chunk_with_its_last_token() -> None:
     from vllm_titan_plugin.swap.tagging import RequestVersions, _Annotator
 
     rv = RequestVersions()
-    rv.add(_state([("5", 0), ("6", 3)], 5), None, 0)
+    rv.add(_state([(5, 0), (6, 3)], 5), None, 0)
     state = SimpleNamespace(version=6, boot_id="b")
     sent: list[dict[str, Any]] = []
 
@@ -60,3 +66,32 @@ def test_annotator_tags_each_chunk_with_its_last_token() -> None:
     assert got[-1]["choices"][0][SPANS_FIELD] == [[5, 0, 3], [6, 3, 5]]
     assert SPANS_FIELD not in got[0]["choices"][0] and b"data: [DONE]" in out
     assert (b"x-titan-boot-id", b"b") in sent[0]["headers"]
+
+
+def test_ledger_turns_engine_counts_into_spans() -> None:
+    """The three kinds of request a swap meets: held by the engine (split at its count), registered after
+    the utility was sent (all new), finished in the engine before it (all old, even with its last tokens
+    still on their way); and a utility that set nothing leaves every request on the old version."""
+    from vllm_titan_plugin.swap.ledger import STARTS_ATTR, VersionLedger, spans_of
+
+    ledger = VersionLedger(version=4)
+    running, finished, early = _state(None, 0), _state(None, 0), _state(None, 0)
+    for st in (running, finished, early):
+        ledger.on_register(st)
+    ledger.begin(5)
+    late = _state(None, 0)
+    ledger.on_register(late)  # its ADD message leaves after the utility's
+    ledger.commit(5, {"r": 7, "e": 0}, {"r": running, "f": finished, "e": early, "l": late})
+    assert getattr(running, STARTS_ATTR) == [(4, 0), (5, 7)]
+    assert getattr(early, STARTS_ATTR) == [(4, 0), (5, 0)]  # in the engine, no token yet: all new
+    assert getattr(finished, STARTS_ATTR) == [(4, 0)]
+    assert getattr(late, STARTS_ATTR) == [(5, 0)]
+    assert spans_of(running) == ([(4, 0), (5, 7)], 0)
+
+    ledger.begin(6)
+    refused = _state(None, 0)
+    ledger.on_register(refused)
+    assert getattr(refused, STARTS_ATTR) == [(6, 0)]
+    ledger.cancel()  # busy, refused or failed: version 6 never happened
+    assert getattr(refused, STARTS_ATTR) == [(5, 0)] and ledger.version == 5
+    assert getattr(running, STARTS_ATTR) == [(4, 0), (5, 7)]

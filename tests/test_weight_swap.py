@@ -421,11 +421,17 @@ def test_chat_completion_carries_version(server: Server) -> None:
 
 
 def test_sse_annotation_splices_a_valid_field() -> None:
-    """The fallback tag (a vLLM without engine-carried versions): the version goes into every JSON ``data:``
-    line of an SSE event without re-serialising it; other lines (``[DONE]``, comments, event names) are
-    untouched."""
+    """A chunk's tag goes into every JSON ``data:`` line of an SSE event without re-serialising it (the
+    chunks that finish no choice); other lines (``[DONE]``, comments, event names) are untouched."""
+    from types import SimpleNamespace
+
     from titan_rl_ext.wire.protocol import VERSION_FIELD
-    from vllm_titan_plugin.swap.tagging import annotate_event as _annotate_event
+    from vllm_titan_plugin.swap.tagging import RequestVersions, _Annotator
+
+    def _annotate_event(event: bytes, version: int) -> bytes:
+        async def send(msg: Any) -> None:
+            raise AssertionError("not sent")
+        return _Annotator(send, SimpleNamespace(version=version), RequestVersions())._event(event)
 
     cases = {
         b'data: {"id":"c","choices":[{"text":"}{","index":0}]}': {"id": "c", "choices": [{"text": "}{", "index": 0}]},

@@ -263,23 +263,13 @@ def add_asgi_middleware(app: Any, middleware_cls: type, **options: Any) -> None:
         app.middleware_stack = app.build_middleware_stack()
 
 
-# -- weight versions carried by the engine (vllm_titan_plugin.swap.engine / .tagging) --------------------
-# vLLM 0.32 stamps every ``EngineCoreOutputs`` with the engine core's ``_weight_version`` (core.py:647)
-# and the API server's ``RequestState`` keeps ``weight_version_starts``: (version, first output-token
-# index) per span (output_processor.py:484). vLLM 0.26 has neither: there the tags fall back to the
-# version current when a chunk leaves the API server, after a short flush pause.
+# -- per-token weight versions (vllm_titan_plugin.swap.engine / .ledger / .tagging) -----------------------
+# vLLM 0.32 stamps ``EngineCoreOutputs.weight_version``; 0.26 does not. The plugin counts tokens itself
+# (``swap.ledger``) and only sets vLLM's own field where it exists, for vLLM's own outputs and metrics.
 def engine_core_class() -> type:
     from vllm.v1.engine.core import EngineCore
 
     return EngineCore
-
-
-def engine_carries_weight_version() -> bool:
-    from vllm.v1.engine import EngineCoreOutputs
-    from vllm.v1.engine.output_processor import RequestState
-
-    return "weight_version" in getattr(EngineCoreOutputs, "__struct_fields__", ()) and hasattr(
-        RequestState, "track_weight_version")
 
 
 def set_engine_weight_version(engine_core: Any, version: str) -> None:
@@ -329,11 +319,6 @@ def unscheduled_requests(engine_core: Any) -> list[Any]:
     return [r for r in engine_core.scheduler.requests.values() if r.status in pending and not r.num_computed_tokens]
 
 
-def requests_with_output(engine_core: Any) -> int:
-    """Unfinished requests that already produced output tokens (preempted ones included: they keep theirs)."""
-    return sum(1 for r in engine_core.scheduler.requests.values() if r.num_output_tokens > 0)
-
-
 def rehash_request_blocks(request: Any) -> None:
     """Recompute a request's prefix-cache block hashes from scratch (request.py:285: the hasher appends
     from ``len(block_hashes)`` on, chaining on the last one)."""
@@ -364,9 +349,20 @@ def wrap_output_processor_add_request(on_add: Callable[[Any, Any, int], None], m
     OutputProcessor.add_request = add_request  # type: ignore[method-assign]
 
 
-def weight_version_spans(request_state: Any) -> tuple[list[tuple[str, int]], int]:
-    """(version, first output-token index) of each span the engine reported, and the output tokens so far."""
-    return list(request_state.weight_version_starts), request_state.detokenizer.num_output_tokens()
+def num_output_tokens(request_state: Any) -> int:
+    """Output tokens the API server has received for one request (output_processor.py ``RequestState``)."""
+    return request_state.detokenizer.num_output_tokens()
+
+
+def api_request_states(engine_client: Any) -> dict[str, Any]:
+    """The API server's output state of every unfinished request, by the engine's request id
+    (``AsyncLLM.output_processor.request_states``)."""
+    return engine_client.output_processor.request_states
+
+
+def output_token_counts(engine_core: Any) -> dict[str, int]:
+    """Inside the engine core, between steps: output tokens of every unfinished request, by request id."""
+    return {rid: r.num_output_tokens for rid, r in engine_core.scheduler.requests.items()}
 
 
 def wrap_config_update(hook: Callable[[Any], None], mark: str) -> None:

@@ -72,6 +72,13 @@ def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: floa
     cfg = json.loads((src / "config.json").read_text())
     auto = AutoModelForImageTextToText if "ForConditionalGeneration" in cfg["architectures"][0] else AutoModelForCausalLM
     model = auto.from_pretrained(str(src), dtype=torch.float32).to(device)
+    if torch.device(device).type == "cuda":
+        # transformers' Qwen3.5 calls fla-core's chunk kernel directly: the same Hopper guard as the trainer's
+        from titan_rl_ext.kernels.gdn import allow_fla_chunk_backward
+
+        guard = allow_fla_chunk_backward()
+        if verbose:
+            print(f"  fla chunk backward guard: {guard}", flush=True)
     task = SyntheticTask(kind=kind)  # type: ignore[arg-type]
     held_out = task.sample(100, seed=10_000 + seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

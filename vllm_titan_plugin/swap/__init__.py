@@ -6,7 +6,9 @@ On only when ``TITAN_SWAP_TOKEN`` is set. The concerns, one file each:
 - ``listener``: those routes on their own port and thread, so a busy OpenAI loop cannot delay a push;
 - ``validate``: what a payload must satisfy before any weight changes;
 - ``worker``: the methods the workers gain (copy in place, checksums, BI switch);
-- ``engine``: the engine core's weight version (stamped on its outputs) and the re-salt of waiting requests;
+- ``engine``: the engine core's weight version (with each request's token count at the swap) and the
+  re-salt of waiting requests;
+- ``ledger``: the API server's per-request spans of versions, from those counts;
 - ``tagging``: the OpenAI middleware (cache salt in, per-token versions out);
 - ``guard``: vLLM's dev-mode routes (``/pause``, ``/collective_rpc``, ...) behind the push token.
 """
@@ -46,8 +48,7 @@ def _attach(app: Any, args: Any = None) -> Any:
     if not token:  # unset between plugin load and app build: stay off
         return app
     port = listener.wanted_port()  # a bad TITAN_SWAP_PORT stops start-up here, naming it
-    engine_tags = tagging.install()
-    state = SwapState(token, app, engine_tags)
+    state = SwapState(token, app, tagging.install())
     try:
         state.note_loop()  # build_app runs inside the API server's loop
     except RuntimeError:
@@ -62,9 +63,6 @@ def _attach(app: Any, args: Any = None) -> Any:
         logger.info("titan: vLLM's dev routes (%d) need the push token while pushes are on", len(dev_paths))
     if port is not None:
         state.push_port = listener.start(state, args, port)
-    if not engine_tags:
-        logger.warning("titan weight versions: this vLLM does not stamp engine outputs with a weight version; "
-                       "chunks are tagged with the version current when they leave the API server")
     logger.info("titan weight swap enabled: POST %s on the OpenAI port%s (token from $%s)", WEIGHTS_ROUTE,
                 f" and on port {state.push_port}" if state.push_port else "", TOKEN_ENV)
     return app

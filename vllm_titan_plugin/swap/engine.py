@@ -5,9 +5,10 @@ Both live in the engine-core process and change in the engine core's own loop, b
 ``swap_between_steps`` (copy, version, re-salt in one utility call) or, where a batch may be in flight, in
 ``titan_set_weight_version`` called while generation is paused. Two consequences:
 
-- Outputs are stamped with the version when the engine core builds them (vLLM's own
-  ``EngineCoreOutputs.weight_version``, where the release has it), so a token's tag cannot depend on how
-  late the API server gets to send it.
+- The answer counts every unfinished request's output tokens at that moment: the API server's
+  ``swap.ledger`` turns the counts into per-token versions, so a token's tag cannot depend on how late
+  the API server gets to send it (vLLM's own ``EngineCoreOutputs.weight_version`` is also set where the
+  release has it, for vLLM's own outputs).
 - A request salted ``titan-v<N>`` by the API server at arrival, but still waiting in the engine (or
   in transit to it) when version ``N+1`` lands, is re-salted ``titan-v<N+1>`` before it is first
   scheduled: it cannot reuse prefix blocks that other weights computed. A salt the client chose is left
@@ -57,17 +58,19 @@ def resalt(request: Any) -> bool:
     return True
 
 
-def set_weight_version(engine_core: Any, version: int) -> dict[str, int]:
-    """The utility method (installed on vLLM's ``EngineCore``): runs between engine steps, paused. Returns
-    how many waiting requests were re-salted, and how many requests straddle the swap (``in_flight``:
-    they hold tokens of the old weights and their next tokens carry the new version). A swap that lands
-    while the engine holds no such request changed no sample's history: the pusher can tell."""
+def set_weight_version(engine_core: Any, version: int) -> dict[str, Any]:
+    """The utility method (installed on vLLM's ``EngineCore``): runs between engine steps with no batch in
+    flight. Returns ``counts`` (output tokens of every unfinished request: its tokens from that index on
+    are the new version's), how many waiting requests were re-salted, and how many requests straddle the
+    swap (``in_flight``: they hold tokens of the old weights). A swap that lands while the engine holds no
+    such request changed no sample's history: the pusher can tell."""
     EngineVersion.version = int(version)
     compat.set_engine_weight_version(engine_core, str(int(version)))
     n = sum(resalt(r) for r in compat.unscheduled_requests(engine_core))
     if n:
         logger.info("titan weights v%d: re-salted %d waiting request(s)", version, n)
-    return {"resalted": n, "in_flight": compat.requests_with_output(engine_core)}
+    counts = compat.output_token_counts(engine_core)
+    return {"resalted": n, "in_flight": sum(1 for k in counts.values() if k > 0), "counts": counts}
 
 
 def swap_between_steps(engine_core: Any, method: str, arg: Any, version: int, keep_cache: bool) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from titan_rl_ext.wire.protocol import (
 )
 from vllm_titan_plugin import checks, compat
 from vllm_titan_plugin.swap import engine as engine_side
+from vllm_titan_plugin.swap.ledger import VersionLedger
 from vllm_titan_plugin.swap.validate import PushRejected, check_spec, manifest_spec, max_bytes, validate_payload
 from vllm_titan_plugin.swap.worker import first_refusal
 
@@ -60,9 +61,6 @@ logger = logging.getLogger("vllm.titan_plugin")
 SIGNED_ONLY_ENV = "TITAN_SWAP_SIGNED_ONLY"
 """``1``: refuse ``Bearer`` (the token on the wire) and take only signed requests (``wire.signing``)."""
 
-# Only where the engine does not stamp its outputs (vLLM 0.26): after the pause returns, outputs of the
-# last engine step may still be on their way through the API server; they must leave as the old version.
-FLUSH_SECONDS = 0.05
 MAX_MANIFEST_BYTES = 64 << 20
 _SHM = "/dev/shm"
 T = TypeVar("T")
@@ -104,12 +102,12 @@ class ChecksumsResponse(BaseModel):
 class SwapState:
     """Per-server state: the weight version, the push lock (held on the engine's loop), the served spec."""
 
-    def __init__(self, token: str, app: Any, engine_tags: bool) -> None:
+    def __init__(self, token: str, app: Any, ledger: VersionLedger | None = None) -> None:
         self._token = token.encode()
         self._nonces = signing.NonceLedger()
         self.signed_only = os.environ.get(SIGNED_ONLY_ENV, "0") == "1"
         self.app = app  # the OpenAI app: vLLM stores its engine client there once it is built
-        self.engine_tags = engine_tags  # the engine core stamps its outputs with the version
+        self.ledger = ledger if ledger is not None else VersionLedger()  # per-token versions (swap.ledger)
         self.version = 0
         self.boot_id = uuid.uuid4().hex  # a restarted server is a different generator, even on the same port
         self.push_port: int | None = None
@@ -397,10 +395,9 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
     answering ``{"problems": ...}`` copied nothing: the version stays and the push is rejected."""
     engine = state.engine
     t0 = time.perf_counter()
-    # without engine-stamped outputs (vLLM 0.26) the chunk tags rely on the pause + flush ordering below
-    if not pause and state.engine_tags:
+    if not pause:
         with _dirty_on_failure(state, version, "between engine steps"):
-            answer = await compat.call_engine_utility(engine, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
+            answer = await _set_version(state, version, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
         if answer.get("problems"):
             raise _rejected(answer)  # refused before the first copy: the weights are whole
         if not answer.get("busy"):
@@ -410,19 +407,35 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         # inside the try: vLLM marks the engine paused before the cache reset that can raise, so a pause that
         # fails part-way must still be resumed, or the engine stays paused for good
         await compat.pause_generation(engine, keep_cache=keep_cache)
-        if not state.engine_tags:
-            await asyncio.sleep(FLUSH_SECONDS)  # let chunks produced by the old weights leave as the old version
         with _dirty_on_failure(state, version, "in a worker"):
             results = await compat.worker_rpc(engine, method, arg)
         if (refused := first_refusal(results)) is not None:
             raise _rejected(refused)  # that worker copied nothing
-        # paused: the next step's outputs are the first of the new weights, and carry its number
+        # paused: no step ran since the copy, so the engine's token counts now are where the new weights begin
         with _dirty_on_failure(state, version, "after the copy, setting the engine's version"):
-            answer = await compat.call_engine_utility(engine, engine_side.UTILITY, version)
+            answer = await _set_version(state, version, engine_side.UTILITY, version)
         state.version, state.dirty = version, None
     finally:
         await compat.resume_generation(engine)
     return time.perf_counter() - t0, int(answer.get("in_flight", 0))
+
+
+async def _set_version(state: SwapState, version: int, utility: str, *args: Any) -> dict[str, Any]:
+    """Call an engine-core utility that may set ``version``, keeping the per-token versions exact
+    (``swap.ledger``): ``begin`` in the same event-loop turn as the utility is sent, then ``commit`` with
+    the engine's token counts when it set the version, ``cancel`` otherwise."""
+    ledger = state.ledger
+    ledger.begin(version)
+    try:
+        answer = await compat.call_engine_utility(state.engine, utility, *args)
+    except BaseException:
+        ledger.cancel()
+        raise
+    if "counts" in answer:
+        ledger.commit(version, answer["counts"], compat.api_request_states(state.engine))
+    else:  # busy, or the workers refused: nothing changed
+        ledger.cancel()
+    return answer
 
 
 async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, list[Any]], version: int,

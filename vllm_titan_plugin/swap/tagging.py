@@ -11,16 +11,16 @@ is checked before it reads a body. It:
 - adds the ``x-titan-weight-version`` response header (the version when the response starts) and
   ``x-titan-boot-id`` (which server process answered: ``routes.SwapState.boot_id``);
 - tags every streamed JSON chunk with ``"titan_weight_version"``: the version whose weights produced the
-  chunk's last token, read from the spans the engine core reported for that request;
+  chunk's last token, read from that request's spans (``swap.ledger``: counted by the engine core at
+  each swap);
 - gives the final chunk of each choice (and each choice of a non-streamed response)
-  ``"titan_weight_spans": [[version, start, end], ...]`` over its output-token indexes, as the engine core
-  stamped them. Clients take these as the authoritative per-token versions.
+  ``"titan_weight_spans": [[version, start, end], ...]`` over its output-token indexes. Clients take these
+  as the authoritative per-token versions.
 
 How a chunk finds its request's spans: the middleware puts a ``RequestVersions`` in a context variable
 before the route runs; vLLM registers each engine request's output state from inside that request's task
-(``compat.wrap_output_processor_add_request``), and the hook adds the state to the context's
-``RequestVersions``. No request ids are parsed. On a vLLM without engine-carried versions
-(``compat.engine_carries_weight_version()`` false), chunks get the version current when they leave.
+(``compat.wrap_output_processor_add_request``), and the hook gives the state its first span
+(``VersionLedger.on_register``) and adds it to the context's ``RequestVersions``. No request ids are parsed.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 
 from titan_rl_ext.wire.protocol import BOOT_HEADER, SALT_PREFIX, SPANS_FIELD, VERSION_FIELD, VERSION_HEADER
 from vllm_titan_plugin import compat
+from vllm_titan_plugin.swap.ledger import VersionLedger, spans_of
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # every route that runs the model; the ones beyond GENERATION_PATHS carry no salt or tags and are refused
@@ -42,15 +43,6 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-
-
-def _version_int(v: str) -> int | None:
-    if v == "default":  # the engine core's version before the first push
-        return 0
-    try:
-        return int(v)
-    except ValueError:  # set by something other than this plugin
-        return None
 
 
 class RequestVersions:
@@ -65,10 +57,10 @@ class RequestVersions:
         self._states.append((slot, request_index, state))
         self._states.sort(key=lambda t: (t[0], t[1]))  # completions number choices prompt by prompt
 
-    def _starts(self, choice: int) -> tuple[list[tuple[str, int]], int] | None:
+    def _starts(self, choice: int) -> tuple[list[tuple[int, int]], int] | None:
         if not 0 <= choice < len(self._states):
             return None
-        return compat.weight_version_spans(self._states[choice][2])
+        return spans_of(self._states[choice][2])
 
     def spans(self, choice: int) -> list[list[int]] | None:
         """[[version, start, end), ...] over the choice's output tokens; None if the engine reported none."""
@@ -81,11 +73,8 @@ class RequestVersions:
         ends = [s for _, s in starts[1:]] + [n]
         out = []
         for (v, s), e in zip(starts, ends):
-            iv = _version_int(v)
-            if iv is None:
-                return None
             if e > s:
-                out.append([iv, s, e])
+                out.append([v, s, e])
         return out
 
     def version_at(self, choice: int, token_index: int | None) -> int | None:
@@ -95,30 +84,32 @@ class RequestVersions:
             return None
         starts, _ = got
         if token_index is None:
-            return _version_int(starts[-1][0])
+            return starts[-1][0]
         found = None
         for v, s in starts:
             if s > token_index:
                 break
             found = v
-        return None if found is None else _version_int(found)
+        return found
 
 
 _CURRENT: contextvars.ContextVar[RequestVersions | None] = contextvars.ContextVar("titan_request_versions", default=None)
 
 
+LEDGER = VersionLedger()  # the API-server process's (the routes move it at each swap)
+
+
 def _on_add(state: Any, parent_req: Any, request_index: int) -> None:
+    LEDGER.on_register(state)
     cell = _CURRENT.get()
     if cell is not None:
         cell.add(state, parent_req, request_index)
 
 
-def install() -> bool:
-    """API-server side hook; returns whether this vLLM carries versions from the engine."""
-    if not compat.engine_carries_weight_version():
-        return False
+def install() -> VersionLedger:
+    """API-server side hook: every request's output state gets its first span as vLLM registers it."""
     compat.wrap_output_processor_add_request(_on_add, _MARK)
-    return True
+    return LEDGER
 
 
 def _choice_tokens(choice: dict[str, Any]) -> int | None:
@@ -158,7 +149,7 @@ class WeightVersionMiddleware:
         self.state.note_loop()
         if scope.get("method") == "POST":
             scope, receive = await self._salted(scope, receive)
-        cell = RequestVersions() if self.state.engine_tags else None
+        cell = RequestVersions()
         token = _CURRENT.set(cell)
         try:
             await self.app(scope, receive, _Annotator(send, self.state, cell))
@@ -192,7 +183,7 @@ class WeightVersionMiddleware:
 class _Annotator:
     """The ``send`` of one generation response: tags SSE chunks as they pass, or the whole JSON body."""
 
-    def __init__(self, send: Send, state: Any, cell: RequestVersions | None) -> None:
+    def __init__(self, send: Send, state: Any, cell: RequestVersions) -> None:
         self.send, self.state, self.cell = send, state, cell
         self.stream = self.json = False
         self.pending = b""
@@ -205,8 +196,7 @@ class _Annotator:
             headers = list(msg.get("headers", []))
             ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
             self.stream = ctype.startswith(b"text/event-stream")
-            self.json = (self.cell is not None and ctype.startswith(b"application/json")
-                         and msg.get("status", 200) == 200)
+            self.json = ctype.startswith(b"application/json") and msg.get("status", 200) == 200
             headers.append((VERSION_HEADER.encode(), str(self.state.version).encode()))
             headers.append((BOOT_HEADER.encode(), self.state.boot_id.encode()))
             msg = {**msg, "headers": headers}
@@ -236,8 +226,6 @@ class _Annotator:
 
     def _event(self, event: bytes) -> bytes:
         """Tag each ``data: {json}`` line of one SSE event (``[DONE]`` and others untouched)."""
-        if self.cell is None:
-            return annotate_event(event, self.state.version)
         lines = event.split(b"\n")
         for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
@@ -257,7 +245,6 @@ class _Annotator:
 
     def _tag_chunk(self, chunk: dict[str, Any]) -> tuple[int, bool]:
         """(the version of the chunk's last token, whether a choice finished and got its spans)."""
-        assert self.cell is not None
         version, finished = None, False
         for choice in chunk.get("choices") or ():
             k = int(choice.get("index", 0))
@@ -273,7 +260,6 @@ class _Annotator:
         return (self.state.version if version is None else version), finished
 
     def _whole_body(self, body: bytes) -> bytes:
-        assert self.cell is not None
         try:
             data = json.loads(body)
         except ValueError:
@@ -301,21 +287,9 @@ def _replay(first: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-def annotate_event(event: bytes, version: int) -> bytes:
-    """The fallback tag (no engine-carried versions): ``version`` spliced into each ``data: {json}`` line of
-    one SSE event."""
-    lines = event.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.startswith(b"data:"):
-            continue
-        body = line[5:].strip()
-        if body.startswith(b"{") and body.endswith(b"}"):
-            lines[i] = _splice(body, version)
-    return b"\n".join(lines)
-
-
 def _splice(body: bytes, version: int) -> bytes:
     """``data: `` + the JSON object ``body`` with the version as its first member, without parsing and
-    re-serialising it: the API server does this for every token of every stream."""
+    re-serialising it: the API server does this for every chunk of every stream (only a choice's last
+    chunk, which gains its spans, is re-serialised)."""
     rest = body[1:].lstrip()
     return b'data: {"%s":%d%s%s' % (VERSION_FIELD.encode(), version, b"" if rest.startswith(b"}") else b",", rest)

@@ -11,7 +11,11 @@ dest="$root/.whl/trainer"
 mkdir -p "$dest"
 pkgs=(torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 tyro==1.0.17
       docstring-parser typeguard datasets==4.7.0 "dill<0.4.1" "multiprocess<0.70.19"
-      math-verify==0.9.0 latex2sympy2_extended==1.11.0 "antlr4-python3-runtime==4.13.2")
+      math-verify==0.9.0 latex2sympy2_extended==1.11.0 "antlr4-python3-runtime==4.13.2"
+      # the OpenAI API server the RL run spawns: vLLM 0.26's entrypoint imports these, which neither the image
+      # nor ../shared/gpu's vLLM carry holds (the image has click, h11, uvloop, prometheus-client)
+      uvicorn==0.55.0 prometheus-fastapi-instrumentator==8.1.0 python-multipart==0.0.34
+      model-hosting-container-standards==0.1.16 jmespath supervisor)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform any -d "$dest" "${pkgs[@]}"
 ls "$dest"

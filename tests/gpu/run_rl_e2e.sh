@@ -34,6 +34,7 @@ case $what in
 setup)
     t=$(date +%s); checkpoint || exit 1; echo "checkpoint + warm-up in $(( $(date +%s) - t )) s"
     python3 -c "from titan_rl_ext.compat import patch_torchtitan; patch_torchtitan(); import torchtitan.trainer; print('torchtitan imports')" 2>&1 | tail -2
+    python3 -c "import vllm.entrypoints.openai.api_server; print('the vLLM OpenAI server imports')" 2>&1 | tail -2
     ;;
 titan_bi|titan|native)
     [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1

@@ -2,7 +2,10 @@
 
 Used by the RL trainer when it spawns its own generator and by the tests. The child gets a clean
 environment: torchrun's rank variables are dropped (vLLM would otherwise think it is part of the
-trainer's process group).
+trainer's process group), and so is every ``TORCHELASTIC_*`` variable: with
+``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun sets it) torch's ``tcp://`` rendezvous connects as a client
+to a store it expects the elastic agent to host, so vLLM's engine core waits forever on the free port it
+picked for its own world of one (seen on the H200: the engine hung right after ``world_size=1 rank=0``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def server_cmd(model_dir: str | Path, port: int, extra_args: Sequence[str] = (),
 
 
 def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # ignored on GPU builds
     env.update(extra or {})
     return env

@@ -15,8 +15,8 @@ pkgs=(torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types=
       # the OpenAI API server the RL run spawns: vLLM 0.26's entrypoint imports these, which neither the image
       # nor ../shared/gpu's vLLM carry holds (the image has click, h11, uvloop, prometheus-client)
       uvicorn==0.55.0 prometheus-fastapi-instrumentator==8.1.0 python-multipart==0.0.34
-      model-hosting-container-standards==0.1.16 jmespath supervisor)
+      model-hosting-container-standards==0.1.16 jmespath supervisor watchfiles==1.1.1)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform any -d "$dest" "${pkgs[@]}"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$dest" "${pkgs[@]}"
 ls "$dest"
 du -sh "$dest"

@@ -58,13 +58,15 @@ class Proxy:
     """Forwards everything to ``upstream``; ``fault`` acts on weight pushes only: ``"503"`` answers
     without forwarding, ``"slow"`` waits ``delay_s`` first, ``"kill"`` kills the server (its whole process
     group) once the body has arrived and then drops the connection, as a dead server would. The version
-    route's ``push_port`` is removed, so pushes come through here."""
+    route's ``push_port`` is removed, so pushes come through here. ``stall_completions``: that many
+    completion requests wait ``delay_s`` before they are forwarded (a slow request; the server is fine)."""
 
     upstream_port: int
     fault: str | None = None
     delay_s: float = 3.0
     on_kill: Any = None
     pushes: list[float] = field(default_factory=list)  # seconds each push took through the proxy
+    stall_completions: int = 0
     port: int = 0
 
     def start(self) -> Proxy:
@@ -81,6 +83,9 @@ class Proxy:
                 body = self.rfile.read(n) if n else b""
                 is_push = self.command == "POST" and self.path.startswith("/titan/v1/weights?")
                 t0 = time.perf_counter()
+                if self.path.startswith("/v1/completions") and proxy.stall_completions > 0:
+                    proxy.stall_completions -= 1
+                    time.sleep(proxy.delay_s)
                 if is_push and proxy.fault == "503":
                     return self._reply(503, b'{"detail": "injected: service unavailable"}', "application/json")
                 if is_push and proxy.fault == "slow":
@@ -311,6 +316,37 @@ def test_every_admitted_sample_has_the_weights_its_tags_say(fl: Fleet) -> None:
     print(f"\n{len(ADMITTED)} admitted samples, {checked} tokens replayed bit-exact at their tagged versions")
 
 
+# -- a slow request is not a dead server ------------------------------------------------------------------
+def test_single_generator_survives_a_read_timeout(fl: Fleet) -> None:
+    """Issue 23, risk 7: a run with one generator, whose request times out on the client (the proxy holds it
+    3 s; the client reads for 1 s) while the server itself is fine. The server stays in the pool (the
+    request failed, not the server), the retry goes to it and its sample is admitted, instead of an empty
+    pool and a run that waits out ``wait_s`` and dies."""
+    import requests
+
+    proxy = fl.proxies[1]
+    doc = requests.get(f"{proxy.url}/titan/v1/weights/version", timeout=30).json()
+    fleet = GeneratorFleet(WeightPusher([proxy.url], TOKEN))
+    fleet.verify(proxy.url, doc["version"], doc["boot_id"])
+
+    async def run() -> Generation:
+        client = GeneratorClient(proxy.url, str(fl.model_dir), timeout_s=1.0)
+        try:
+            return await FleetClient(fleet, {proxy.url: client}, wait_s=5).generate(_prompt(7000), SAMPLING)
+        finally:
+            await client.aclose()
+
+    proxy.stall_completions, proxy.delay_s = 1, 3.0
+    t0 = time.perf_counter()
+    gen = asyncio.run(run())
+    took = time.perf_counter() - t0
+    assert proxy.stall_completions == 0, "the stalled request never reached the proxy"
+    assert took >= 1.0 and gen.server == proxy.url and len(gen.token_ids) == SAMPLING.max_tokens
+    assert set(gen.versions) == {doc["version"]} and fleet.live() == [proxy.url] and fleet.refused == 0
+    print(f"
+read timeout on the only generator: retried on it, admitted after {took:.1f} s, still in the pool")
+
+
 # -- the prefill-time salt -------------------------------------------------------------------------------
 def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None:
     """Warm the prefix cache with prompt P on one server, pause its scheduler (the dev route: the request
@@ -355,8 +391,10 @@ def test_request_waiting_across_a_keep_swap_gets_the_new_salt(fl: Fleet) -> None
     assert not waiting, "the request ran while the scheduler was paused"
     new = version + 1
     fl.weights[new] = _scaled(fl.reference, new)
-    WeightPusher([url], TOKEN).push(fl.weights[new], new, mode="keep")  # between two engine steps
+    (answer,) = WeightPusher([url], TOKEN).push(fl.weights[new], new, mode="keep")  # between two engine steps
     assert not waiting, "the request ran before the scheduler was resumed"
+    # the engine core held it, waiting, salted for the old version, when the swap landed: re-salted there
+    assert answer["resalted"] == 1, answer
     r = requests.post(f"{base}/resume", headers=dev, timeout=60)  # the operator's pause is left to the operator
     assert r.status_code == 200, r.text
     t.join(120)

@@ -18,7 +18,7 @@ class FakePusher:
         self.urls = urls
         self.answers: dict[str, dict[str, Any]] = {}
 
-    def push_each(self, state_dict: Any, version: int, mode: str = "keep") -> list[dict[str, Any]]:
+    def push_each(self, state_dict: Any, version: int, mode: str = "keep", on_result: Any = None) -> list[dict[str, Any]]:
         return [self.answers.get(u, {"url": u, "ok": True, "status": 200, "response": {"version": version, "boot_id": f"boot-{u}"}})
                 for u in self.urls]
 
@@ -70,13 +70,62 @@ def test_a_restarted_server_is_refused_until_pushed() -> None:
     assert f.admit(_gen("a", "new-boot", [1])) is not None  # v1 went to the old process, not this one
 
 
-def test_tokens_of_a_push_in_flight_are_admitted() -> None:
-    f, p = _fleet()
+class SlowPusher(FakePusher):
+    """Answers server by server: each answer waits for ``release[url]`` (the push is in flight meanwhile)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        super().__init__(urls)
+        import threading
+
+        self.release = {u: threading.Event() for u in urls}
+
+    def push_each(self, state_dict: Any, version: int, mode: str = "keep", on_result: Any = None) -> list[dict[str, Any]]:
+        out = []
+        for u in self.urls:
+            assert self.release[u].wait(10)
+            r = self.answers.get(u, {"url": u, "ok": True, "status": 200, "response": {"version": version, "boot_id": f"boot-{u}"}})
+            if on_result is not None:
+                on_result(r)
+            out.append(r)
+        return out
+
+
+def test_tokens_of_a_push_in_flight_wait_for_that_servers_answer() -> None:
+    """Issue 23, risk 7: a token of the version being pushed is admitted only from a server that answered
+    that push. Server a answers at once; b's answer is held back, then b fails the push: b's sample, which
+    holds tokens of the pushed version, waits and is then refused (b could hold anything)."""
+    import threading
+
+    p = SlowPusher(["a", "b"])
+    f = GeneratorFleet(p)  # type: ignore[arg-type]
     f.verify("a", 0, "boot-a")
-    f.pending = 1  # the server swapped; its answer has not come back yet
-    assert f.admit(_gen("a", "boot-a", [0, 1])) is None
-    f.pending = None
-    assert f.admit(_gen("a", "boot-a", [0, 5])) is not None
+    f.verify("b", 0, "boot-b")
+    clients = {"a": FakeClient("a", "boot-a", 1), "b": FakeClient("b", "boot-b", 1)}
+    fc = FleetClient(f, clients, wait_s=10)
+    p.answers["b"] = {"url": "b", "ok": False, "status": 500, "error": "copy failed"}
+    pushing = threading.Thread(target=lambda: f.push({}, 1))
+    pushing.start()
+    p.release["a"].set()
+    while 1 not in f.members["a"].versions:
+        threading.Event().wait(0.01)
+    assert f.pending == 1 and not f.awaiting(_gen("a", "boot-a", [0, 1])) and f.awaiting(_gen("b", "boot-b", [0, 1]))
+    assert f.admit(_gen("a", "boot-a", [0, 1])) is None  # a answered: its v1 tokens are what was pushed
+
+    async def b_sample() -> tuple[float, str | None]:
+        t0 = asyncio.get_running_loop().time()
+        gen = _gen("b", "boot-b", [0, 1])
+        while fc.fleet.awaiting(gen):
+            await asyncio.sleep(0.01)
+        return asyncio.get_running_loop().time() - t0, fc.fleet.admit(gen)
+
+    threading.Timer(0.3, p.release["b"].set).start()
+    waited, refused = asyncio.run(b_sample())
+    pushing.join(10)
+    assert waited >= 0.25 and refused is not None and "out of the rollout pool" in refused, (waited, refused)
+    assert f.live() == ["a"] and f.pending is None
+    # and through the client: b's sample is refused, the request goes to a
+    gens = [asyncio.run(fc.generate([1, 2], SAMPLING3)) for _ in range(3)]
+    assert {g.server for g in gens} == {"a"}
 
 
 class FakeClient:

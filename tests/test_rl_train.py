@@ -29,15 +29,35 @@ REPO = Path(__file__).resolve().parents[1]
 TOKEN = "rl-train-test-token-7d1e"
 
 
+def _other_weights(model_dir: Path, dest: Path) -> Path:
+    """A copy of the checkpoint with one tensor changed: what a generator started from another checkpoint
+    serves, at weight version 0 like any fresh server."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, dest)
+    for f in dest.glob("*.safetensors"):
+        sd = load_file(str(f))
+        name = next(k for k in sorted(sd) if sd[k].is_floating_point() and sd[k].dim() == 2)
+        sd[name] = sd[name] * 1.01
+        save_file(sd, str(f), metadata={"format": "pt"})
+        return dest
+    raise AssertionError(f"no safetensors in {model_dir}")
+
+
 @contextlib.contextmanager
-def _tiny_rl_server(tmp_path: Path, batch_invariant: bool) -> Iterator[tuple[Any, Path]]:
+def _tiny_rl_server(tmp_path: Path, batch_invariant: bool, other_weights: bool = False) -> Iterator[tuple[Any, Path]]:
     """The recipe's tiny checkpoint (built into the test's cache) served with the swap endpoint on;
-    yields the server and the cache folder."""
+    yields the server and the cache folder. ``other_weights``: serve a changed copy of it instead."""
     cache = tmp_path / "cache"
     os.environ["TITAN_RL_CACHE"] = str(cache)
     from titan_rl_ext.configs.rl import tiny_rl_checkpoint
 
     model_dir = Path(tiny_rl_checkpoint())
+    if other_weights:
+        model_dir = _other_weights(model_dir, tmp_path / "other_ckpt")
     env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1" if batch_invariant else "0")
     with openai_server(model_dir, tmp_path / "server.log", 512, ["--seed", "0"], env=env) as srv:
         srv.wait_ready()
@@ -71,7 +91,9 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
     import requests
 
     with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
-        _torchrun(tmp_path, cache, srv.base, 3, "train1.log", extra=("--rl.export-hf-dir", str(tmp_path / "export")))
+        log1 = _torchrun(tmp_path, cache, srv.base, 3, "train1.log", extra=("--rl.export-hf-dir", str(tmp_path / "export")))
+        # a fresh run admits the server only after comparing what it serves with the trainer's weights
+        assert "already serve version 0 (checksums match)" in log1, log1[-3000:]
         run = tmp_path / "run"
         recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == [1, 2, 3] and [r["version"] for r in recs] == [1, 2, 3]
@@ -129,12 +151,20 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
 def test_rl_train_batch_invariant_window(tmp_path: Path) -> None:
     """BI as a debug switch over a window of steps: step 2 only. Both sides switch (the generator when the
     weights that generate the next step's groups are published), so step 2's groups were sampled with
-    BI and its gap is exactly 0; steps 1 and 3 run the normal kernels."""
+    BI and its gap is exactly 0; steps 1 and 3 run the normal kernels.
+
+    The server starts from other weights than the trainer's checkpoint (a fresh server: version 0 too), so
+    the trainer's start-up comparison must find them different and push its own before the first rollout
+    (issue 23, risk 7): step 2's exact 0 is then also the proof that it did."""
     import re
 
-    with _tiny_rl_server(tmp_path, batch_invariant=False) as (srv, cache):
-        _torchrun(tmp_path, cache, srv.base, 3, "train.log",
-                  extra=("--rl.batch-invariant-from", "2", "--rl.batch-invariant-steps", "1", "--rl.eval-every", "0"))
+    with _tiny_rl_server(tmp_path, batch_invariant=False, other_weights=True) as (srv, cache):
+        log = _torchrun(tmp_path, cache, srv.base, 3, "train.log",
+                        extra=("--rl.batch-invariant-from", "2", "--rl.batch-invariant-steps", "1",
+                               "--rl.eval-every", "0", "--rl.served-model-name", str(tmp_path / "other_ckpt")))
+    assert "holds other weights than the trainer's version 0" in log and "pushing them as version 1" in log, log[-3000:]
+    rolls = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert {v for g in rolls[0]["groups"] for s in g["samples"] for v in s["token_versions"]} == {1}
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for r in recs:
         print({k: r[k] for k in ("step", "batch_invariant", "bit_wise/num_tokens", "bit_wise/logprob_diff/abs_mean",

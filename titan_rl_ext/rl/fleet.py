@@ -4,7 +4,9 @@ A push to the fleet is one operation with one outcome (``FleetPush``): every gen
 "swapped" serves the new version; every other one is **out of the pool** until a later push to it
 succeeds. Samples are admitted only from a generator in the pool, only from the server process that
 acknowledged the pushes (``x-titan-boot-id``: a restarted server on the same address is a new process
-that has not been given the trainer's weights), and only with token versions that process was pushed.
+that has not been given the trainer's weights), and only with token versions that process acknowledged:
+tokens of the version being pushed can reach the client before that server's answer reaches the pusher,
+so such a sample waits for the answer (or the push's end) instead of being taken on trust.
 
 - ``GeneratorFleet``: the members and their confirmed versions (thread-safe: the trainer pushes from its
   thread, the rollout loop picks and admits from its own).
@@ -62,7 +64,7 @@ class GeneratorFleet:
     def __init__(self, pusher: WeightPusher) -> None:
         self.pusher = pusher
         self.members = {u: Member(u) for u in pusher.urls}
-        self.pending: int | None = None  # the version being pushed: tokens of it may arrive before the answers
+        self.pending: int | None = None  # the version being pushed: its tokens may arrive before a server's answer
         self.refused = 0  # samples refused since the start
         self._lock = threading.Lock()
 
@@ -84,28 +86,38 @@ class GeneratorFleet:
         with self._lock:
             self.pending = int(version)
         try:
-            results = self.pusher.push_each(state_dict, version, mode)
+            results = self.pusher.push_each(state_dict, version, mode,
+                                            on_result=lambda r: self._apply(version, r))
         finally:
             with self._lock:
                 self.pending = None
         return self._record(version, results, time.perf_counter() - t0)
 
+    def _apply(self, version: int, r: Mapping[str, Any]) -> None:
+        """One server's answer to the push of ``version`` (as it arrives; applying it twice changes nothing)."""
+        with self._lock:
+            m = self.members[r["url"]]
+            if r["ok"]:
+                boot = r["response"].get("boot_id")
+                if boot != m.boot_id:  # a new process: what the old one was given does not carry over
+                    m.versions = set()
+                m.live, m.boot_id, m.reason, m.probe = True, boot, "", False
+                m.versions.add(int(version))
+            else:
+                m.live, m.probe = False, False  # it may hold another version now: back only by a push
+                m.reason = f"push v{version}: HTTP {r['status']} {str(r['error'])[:300]}"
+
     def _record(self, version: int, results: Sequence[dict[str, Any]], seconds: float) -> FleetPush:
         live, out, responses = [], {}, {}
+        for r in results:
+            self._apply(version, r)
         with self._lock:
             for r in results:
                 m = self.members[r["url"]]
                 if r["ok"]:
-                    boot = r["response"].get("boot_id")
-                    if boot != m.boot_id:  # a new process: what the old one was given does not carry over
-                        m.versions = set()
-                    m.live, m.boot_id, m.reason, m.probe = True, boot, "", False
-                    m.versions.add(int(version))
                     live.append(m.url)
                     responses[m.url] = r["response"]
                 else:
-                    m.live, m.probe = False, False  # it may hold another version now: back only by a push
-                    m.reason = f"push v{version}: HTTP {r['status']} {str(r['error'])[:300]}"
                     out[m.url] = m.reason
         outcome = FleetPush(int(version), live, out, seconds, responses)
         if out:
@@ -151,6 +163,14 @@ class GeneratorFleet:
             logger.info("generator %s back in the rollout pool (probe: same process, whole weights)", url)
             return True
 
+    def awaiting(self, gen: Generation) -> bool:
+        """Whether ``gen`` holds tokens of the version being pushed from a server whose answer to that push
+        has not arrived: admit it once the answer (or the push's end) has."""
+        with self._lock:
+            m = self.members.get(gen.server or "")
+            return (m is not None and self.pending is not None and self.pending in gen.versions
+                    and self.pending not in m.versions)
+
     def admit(self, gen: Generation) -> str | None:
         """None if the sample may be trained on, else why not (and its server leaves the pool when the
         reason is the server's, not the sample's)."""
@@ -164,8 +184,7 @@ class GeneratorFleet:
                 m.live, m.reason = False, f"restarted (boot id {gen.boot_id} is not the one that was pushed to)"
                 self.refused += 1
                 return m.reason
-            allowed = m.versions | ({self.pending} if self.pending is not None else set())
-            unknown = sorted({v for v in gen.versions if v not in allowed})
+            unknown = sorted({v for v in gen.versions if v not in m.versions})
             if unknown:
                 m.live, m.reason = False, f"served versions {unknown}, never pushed to it"
                 self.refused += 1
@@ -240,6 +259,9 @@ class FleetClient:
                 self.fleet.mark_out(url, f"request failed: {type(e).__name__}: {e}"
                                     + (f" (server dirty: {dirty})" if dirty else ""), probe=boot is None)
                 continue
+            deadline = time.monotonic() + self.wait_s
+            while self.fleet.awaiting(gen) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the push's answers come on the pusher's threads
             refused = self.fleet.admit(gen)
             if refused is None:
                 return gen

@@ -198,29 +198,28 @@ class RLTrainer(Trainer):
         self._started = True
         served = self._connect_generators() if self.rank == 0 else {}
         server_v = self._broadcast(max(v for v, _ in served.values()) if self.rank == 0 else 0)
-        if self.rl_version == 0 and server_v == 0:  # a fresh run: the generators serve the checkpoint it starts from
-            for u, (_, boot) in served.items():
-                self._fleet.verify(u, 0, boot)
-        else:  # a resumed run, or generators already moved on: compare checksums before admitting them
-            from titan_rl_ext.rl.weight_sync import checksum
+        # Compare checksums before admitting any generator, a fresh run's too: version 0 on a server says
+        # only that nobody pushed to it, not that it loaded the checkpoint this trainer starts from.
+        from titan_rl_ext.rl.weight_sync import checksum
 
-            sd = _served_state_dict(self.model_parts[0], self._compute)  # every rank: a collective gather under FSDP
-            same = False
-            if self.rank == 0:
-                ours = checksum(sd)
-                same = server_v == self.rl_version and all(self._serves(u, ours) for u in served)
-            del sd
-            if self._broadcast(same):
-                logger.info("RL: generators already serve version %d", server_v)
-                for u, (_, boot) in served.items():
-                    self._fleet.verify(u, server_v, boot)
-            else:
-                if server_v >= self.rl_version:
-                    if self.rank == 0:
-                        logger.warning("RL: generator at version %d >= trainer's %d with other weights; continuing "
-                                       "from %d", server_v, self.rl_version, server_v + 1)
-                    self.rl_version = server_v + 1
-                self._push(self.rl_version)  # every rank gathers, rank 0 pushes
+        sd = _served_state_dict(self.model_parts[0], self._compute)  # every rank: a collective gather under FSDP
+        same = False
+        if self.rank == 0:
+            ours = checksum(sd)
+            same = server_v == self.rl_version and all(self._serves(u, ours) for u in served)
+        del sd
+        if self._broadcast(same):
+            logger.info("RL: generators already serve version %d (checksums match)", server_v)
+            for u, (_, boot) in served.items():
+                self._fleet.verify(u, server_v, boot)
+        else:
+            if server_v >= self.rl_version:
+                if self.rank == 0:
+                    logger.warning("RL: a generator at version %d holds other weights than the trainer's version %d "
+                                   "(or cannot say: vLLM's native class); pushing them as version %d", server_v,
+                                   self.rl_version, server_v + 1)
+                self.rl_version = server_v + 1
+            self._push(self.rl_version)  # every rank gathers, rank 0 pushes
         if self.rank != 0:
             return
         from transformers import AutoTokenizer

@@ -11,7 +11,7 @@ in place. With ``transport="cuda_ipc"`` (same host, GPU) only CUDA IPC handles t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -72,25 +72,36 @@ class WeightPusher:
             raise ValueError(f"push_payload sends safetensors bytes; this pusher uses transport={self.transport!r}")
         return self._checked(self._post_all(payload, version, mode, {}), version)
 
-    def push_each(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
+    def push_each(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep",
+                  on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """``push`` without raising: one ``{"url", "ok", "status", "response" | "error"}`` per server, in
-        ``urls`` order (what a fleet needs to decide who stays in the rollout pool)."""
+        ``urls`` order (what a fleet needs to decide who stays in the rollout pool). ``on_result`` gets each
+        server's as soon as it answers (from a pusher thread), before the slowest server has."""
         if self.transport == "cuda_ipc":
             from titan_rl_ext.wire.cuda_ipc import export_tensors
 
             manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
             try:
-                return self._post_all(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"})
+                return self._post_all(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"},
+                                      on_result)
             finally:
                 del keep_alive
-        return self._post_all(serialize(state_dict), version, mode, {})
+        return self._post_all(serialize(state_dict), version, mode, {}, on_result)
 
-    def _post_all(self, payload: bytes, version: int, mode: str, extra: dict[str, str]) -> list[dict[str, Any]]:
+    def _post_all(self, payload: bytes, version: int, mode: str, extra: dict[str, str],
+                  on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         if mode not in MODES:
             raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
         params = {"version": str(int(version)), "mode": mode, **({"pause": "1"} if self.pause else {}), **extra}
+
+        def one(url: str) -> dict[str, Any]:
+            result = self._post(url, payload, params)
+            if on_result is not None:
+                on_result(result)
+            return result
+
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            return list(pool.map(lambda u: self._post(u, payload, params), self.urls))
+            return list(pool.map(one, self.urls))
 
     @staticmethod
     def _checked(results: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:

@@ -75,6 +75,7 @@ class PushResponse(BaseModel):
     validate_seconds: float
     # requests that held tokens of the old weights when the swap landed: their later tokens carry ``version``
     in_flight: int
+    resalted: int = 0  # requests waiting in the engine, salted for the old version, given the new one
     # where a push's time goes: the server's wall clock when the route started (a pusher on the same host
     # gets the queueing before it), reading the body, and waiting for the engine's event loop
     entered_unix: float
@@ -337,6 +338,7 @@ def make_router(state: SwapState) -> Any:
                     "%d requests in flight)", version, done.seconds, validate_s, num, size, mode, done.in_flight)
         return PushResponse(version=version, boot_id=state.boot_id, num_tensors=num, bytes=size,
                             swap_seconds=done.seconds, validate_seconds=validate_s, in_flight=done.in_flight,
+                            resalted=done.resalted,
                             entered_unix=entered, receive_seconds=receive_s,
                             hop_seconds=done.started - t0 - validate_s)
 
@@ -348,6 +350,7 @@ class SwapDone:
     started: float  # perf_counter when the swap began on the engine's loop (before the lock)
     seconds: float  # from the first engine call to the new version being live
     in_flight: int  # requests holding tokens of the old weights
+    resalted: int  # waiting requests re-salted for the new version
 
 
 async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
@@ -356,8 +359,8 @@ async def _locked_swap(state: SwapState, method: str, arg: Any, version: int, ke
     async with state.lock:
         if version <= state.version:
             raise PushRejected(409, f"version {version} is not greater than the current version {state.version}")
-        seconds, in_flight = await _swap(state, method, arg, version, keep_cache, pause)
-        return SwapDone(started, seconds, in_flight)
+        seconds, answer = await _swap(state, method, arg, version, keep_cache, pause)
+        return SwapDone(started, seconds, int(answer.get("in_flight", 0)), int(answer.get("resalted", 0)))
 
 
 def _rejected(answer: dict[str, Any]) -> PushRejected:
@@ -388,9 +391,9 @@ async def _flip_batch_invariant(state: SwapState, enabled: bool) -> list[Any]:
 
 
 async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
-                pause: bool = False) -> tuple[float, int]:
+                pause: bool = False) -> tuple[float, dict[str, Any]]:
     """Copy the weights with the worker loader ``method(arg)``, set the engine core's version; returns the
-    seconds it took and the requests in flight across it. First as one engine-core utility between two steps (``engine.swap_between_steps``);
+    seconds it took and the engine core's answer (``engine.set_weight_version``). First as one engine-core utility between two steps (``engine.swap_between_steps``);
     when the engine has a batch in flight (or ``pause``), the long way: pause, copy, set, resume. A worker
     answering ``{"problems": ...}`` copied nothing: the version stays and the push is rejected."""
     engine = state.engine
@@ -402,7 +405,7 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
             raise _rejected(answer)  # refused before the first copy: the weights are whole
         if not answer.get("busy"):
             state.version, state.dirty = version, None
-            return time.perf_counter() - t0, int(answer.get("in_flight", 0))
+            return time.perf_counter() - t0, answer
     try:
         # inside the try: vLLM marks the engine paused before the cache reset that can raise, so a pause that
         # fails part-way must still be resumed, or the engine stays paused for good
@@ -417,7 +420,7 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         state.version, state.dirty = version, None
     finally:
         await compat.resume_generation(engine)
-    return time.perf_counter() - t0, int(answer.get("in_flight", 0))
+    return time.perf_counter() - t0, answer
 
 
 async def _set_version(state: SwapState, version: int, utility: str, *args: Any) -> dict[str, Any]:
@@ -469,4 +472,5 @@ async def _push_cuda_ipc(state: SwapState, request: Request, spec: dict[str, lis
                 len(got), mode)
     return PushResponse(version=version, boot_id=state.boot_id, num_tensors=len(got), bytes=len(body),
                         swap_seconds=done.seconds, validate_seconds=0.0, in_flight=done.in_flight,
+                        resalted=done.resalted,
                         entered_unix=entered, receive_seconds=received - t0, hop_seconds=done.started - received)

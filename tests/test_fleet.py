@@ -343,8 +343,7 @@ def test_single_generator_survives_a_read_timeout(fl: Fleet) -> None:
     assert proxy.stall_completions == 0, "the stalled request never reached the proxy"
     assert took >= 1.0 and gen.server == proxy.url and len(gen.token_ids) == SAMPLING.max_tokens
     assert set(gen.versions) == {doc["version"]} and fleet.live() == [proxy.url] and fleet.refused == 0
-    print(f"
-read timeout on the only generator: retried on it, admitted after {took:.1f} s, still in the pool")
+    print(f"\nread timeout on the only generator: retried on it, admitted after {took:.1f} s, still in the pool")
 
 
 # -- the prefill-time salt -------------------------------------------------------------------------------

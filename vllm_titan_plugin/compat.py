@@ -163,8 +163,12 @@ def wrap_api_server_build_app(hook: Callable[[Any, Any], Any], mark: str) -> boo
     import sys
 
     patched = False
+    main = sys.modules.get("__main__")
+    main_name = getattr(getattr(main, "__spec__", None), "name", None)
     for name in API_SERVER_ENTRY_MODULES:
-        mod = sys.modules.get(name)
+        # ``python -m vllm.entrypoints.openai.api_server`` (vLLM 0.26) runs that module as ``__main__``: its
+        # ``build_and_serve`` reads ``build_app`` from ``__main__``, not from the module of that name
+        mod = main if main_name == name else sys.modules.get(name)
         orig = getattr(mod, "build_app", None) if mod is not None else None
         if orig is None:
             continue

@@ -3,6 +3,8 @@
 # with the generator on vLLM's native Qwen3.5 class, on --model-impl titan, and on titan with batch invariance.
 # On the lent H200, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH), with fla-core's
 # wheel and the trainer's wheels (`bash scripts/make_trainer_carry.sh`) in .whl/ -- one stage per command:
+#   bash tests/gpu/run_rl_e2e.sh smoke      # install, then the same recipe on the tiny model, BI on, 6 steps (~2 min):
+#                                           # the whole GPU path (FSDP bf16, CUDA IPC push, swap, BI) before the big runs
 #   bash tests/gpu/run_rl_e2e.sh setup      # install, build the 0.85 B checkpoint and its warm-up (cached in /tmp/rlcache)
 #   bash tests/gpu/run_rl_e2e.sh titan_bi   # one arm: 40 steps (RL_STEPS), metrics.jsonl + plots in $OUT/<arm>
 #   bash tests/gpu/run_rl_e2e.sh titan
@@ -15,7 +17,7 @@ mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=4
 export TITAN_RL_CACHE=/tmp/rlcache
 export PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
-what=${1:?stage: setup | titan_bi | titan | native | report}
+what=${1:?stage: smoke | setup | titan_bi | titan | native | report}
 
 install() {
     [ -f /tmp/titan-site/.installed ] && return 0
@@ -36,17 +38,19 @@ setup)
     python3 -c "from titan_rl_ext.compat import patch_torchtitan; patch_torchtitan(); import torchtitan.trainer; print('torchtitan imports')" 2>&1 | tail -2
     python3 -c "import vllm.entrypoints.openai.api_server; print('the vLLM OpenAI server imports')" 2>&1 | tail -2
     ;;
-titan_bi|titan|native)
-    [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1
+smoke|titan_bi|titan|native)
+    config=rl_gpu_hybrid steps=${RL_STEPS:-40}
+    if [ $what = smoke ]; then config=rl_gpu_hybrid_toy steps=${RL_STEPS:-6}
+    else [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1; fi
     case $what in
-        titan_bi) arm=(--rl.batch-invariant-steps 1000000) ;;
+        titan_bi|smoke) arm=(--rl.batch-invariant-steps 1000000) ;;
         titan) arm=() ;;
         native) arm=(--rl.server-model-impl auto) ;;
     esac
     rm -rf "$out/$what" "/tmp/dump_$what"
     t=$(date +%s)
     timeout ${ARM_TIMEOUT:-570} python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train \
-        --module titan_rl_ext.configs --config rl_gpu_hybrid --training.steps ${RL_STEPS:-40} \
+        --module titan_rl_ext.configs --config $config --training.steps $steps \
         --rl.run-dir "$out/$what" --dump-folder "/tmp/dump_$what" "${arm[@]}" > "$out/$what.log" 2>&1
     rc=$?
     echo "$what rc=$rc in $(( $(date +%s) - t )) s"

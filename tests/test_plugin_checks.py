@@ -97,3 +97,18 @@ def test_engine_refuses_at_start_up(tiny_ckpt, monkeypatch: pytest.MonkeyPatch) 
     finally:
         set_batch_invariant(False)
     assert "--kv-cache-dtype" in repr(e.value) or "--kv-cache-dtype" in str(e.value.__cause__), e.value
+
+
+def test_pushes_refuse_data_parallel_and_several_api_servers_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TITAN_SWAP_TOKEN set, the API server's app build stops start-up on ``-dp 2`` or
+    ``--api-server-count 2`` (a push would reach one engine of two) and builds normally with one of each."""
+    from vllm_titan_plugin import swap
+
+    monkeypatch.setenv("TITAN_SWAP_TOKEN", "t" * 32)
+    monkeypatch.delenv("TITAN_SWAP_PORT", raising=False)
+    for args in (SimpleNamespace(data_parallel_size=2, api_server_count=None),
+                 SimpleNamespace(data_parallel_size=1, api_server_count=2)):
+        with pytest.raises(RuntimeError, match="one engine and one API server"):
+            swap._attach(object(), args)  # raises before touching the app
+    assert checks.swap_topology_problem(SimpleNamespace(data_parallel_size=1, api_server_count=None)) is None
+    assert checks.swap_topology_problem(None) is None  # no namespace: nothing says there are more

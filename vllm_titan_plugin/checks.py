@@ -36,3 +36,17 @@ def attention_head_size_problem(backend: Any, head_size: int) -> str | None:
     return (f"--model-impl titan: the attention head size {head_size} of this checkpoint is not supported by "
             f"vLLM's {name} attention backend here (supported: {sizes}); pick another --attention-backend")
 
+
+
+def swap_topology_problem(args: Any) -> str | None:
+    """Weight pushes reach one engine core and one API server: with data parallelism the swap utility lands
+    on the first engine only (the others keep the old weights under the new version), and with several
+    API-server processes only the one that took the push knows each request's versions. ``args``: vLLM's
+    CLI namespace (absent settings count as 1)."""
+    dp = int(getattr(args, "data_parallel_size", 1) or 1)
+    api = int(getattr(args, "api_server_count", 1) or 1)
+    if dp <= 1 and api <= 1:
+        return None
+    return (f"TITAN_SWAP_TOKEN (weight pushes) needs one engine and one API server: got --data-parallel-size {dp}, "
+            f"--api-server-count {api}. Run one server per replica (the trainer's fleet pushes to each), "
+            f"or unset TITAN_SWAP_TOKEN")

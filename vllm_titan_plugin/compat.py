@@ -305,8 +305,21 @@ def reset_engine_caches(engine_core: Any) -> None:
 
 
 def synchronize_workers(engine_core: Any) -> None:
-    """Wait for the device to be idle (core.py:917 does this before a pause completes)."""
-    engine_core.model_executor.collective_rpc("synchronize_device")
+    """Wait for the device to be idle (core.py:917 does this before a pause completes), through the
+    plugin's own worker method: vLLM 0.26's workers have no ``synchronize_device``."""
+    engine_core.model_executor.collective_rpc("titan_synchronize_device")
+
+
+def synchronize_device(worker: Any) -> None:
+    """Inside a worker: vLLM's own wait where the worker has one (0.32: backends outside
+    ``torch.accelerator`` override it), else ``torch.accelerator``'s (vLLM 0.26)."""
+    import torch
+
+    sync = getattr(worker, "synchronize_device", None)
+    if callable(sync):
+        sync()
+    elif torch.accelerator.is_available():
+        torch.accelerator.synchronize()
 
 
 def engine_collective_rpc(engine_core: Any, method: str, *args: Any) -> list[Any]:

@@ -17,6 +17,21 @@ mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=4
 export TITAN_RL_CACHE=/tmp/rlcache
 export PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
+# A fresh lease compiles and autotunes every Triton kernel again (fla's chunk kernels, the titan kernels, vLLM's
+# attention): ~100 s of a toy warm-up's 108 s. Each stage leaves the cache in $OUT/triton-cache.tar.gz; put that
+# file at .gpu-carry/triton-cache.tar.gz and carry it, and the next lease starts from it.
+export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
+if [ ! -d /tmp/triton-cache ]; then
+    mkdir -p /tmp/triton-cache
+    [ -f .gpu-carry/triton-cache.tar.gz ] && tar -xzf .gpu-carry/triton-cache.tar.gz -C /tmp/triton-cache \
+        && echo "triton cache: $(find /tmp/triton-cache -type f | wc -l) files from .gpu-carry"
+fi
+save_triton_cache() {
+    tar -czf "$out/triton-cache.tar.gz" -C /tmp/triton-cache . 2>/dev/null
+    local mb=$(( $(stat -c %s "$out/triton-cache.tar.gz") / 1048576 ))
+    [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }
+}
+trap save_triton_cache EXIT
 what=${1:?stage: smoke | setup | titan_bi | titan | native | report}
 
 install() {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -68,22 +69,29 @@ async def rollout_episode(
     versions: list[int] = []
     mask: list[bool] = []
     reward, finish, turns = 0.0, None, 0
-    for turns in range(1, max_turns + 1):
-        turn_sampling = sampling if seed is None else dataclasses.replace(sampling, seed=sample_seed(seed, turns))
-        gen = await client.generate(prompt_ids + ids, turn_sampling)
-        ids += gen.token_ids
-        lps += gen.logprobs
-        versions += [int(v) if v is not None else 0 for v in gen.versions]
-        mask += [True] * len(gen.token_ids)
-        finish = gen.finish_reason
-        obs, reward, done = env.step(list(gen.token_ids))
-        if done:
-            break
-        if obs:
-            ids += obs
-            lps += [math.nan] * len(obs)
-            versions += [ENV_TOKEN_VERSION] * len(obs)
-            mask += [False] * len(obs)
+    try:
+        for turns in range(1, max_turns + 1):
+            turn_sampling = sampling if seed is None else dataclasses.replace(sampling, seed=sample_seed(seed, turns))
+            gen = await client.generate(prompt_ids + ids, turn_sampling)
+            ids += gen.token_ids
+            lps += gen.logprobs
+            versions += [int(v) if v is not None else 0 for v in gen.versions]
+            mask += [True] * len(gen.token_ids)
+            finish = gen.finish_reason
+            result = env.step(list(gen.token_ids))
+            if inspect.isawaitable(result):  # a tool that does I/O or runs a process: off the event loop
+                result = await result
+            obs, reward, done = result
+            if done:
+                break
+            if obs:
+                ids += obs
+                lps += [math.nan] * len(obs)
+                versions += [ENV_TOKEN_VERSION] * len(obs)
+                mask += [False] * len(obs)
+    finally:
+        if (aclose := getattr(env, "aclose", None)) is not None:
+            await aclose()  # an environment holding a sandbox or a process lets it go however the episode ended
     return Sample(
         prompt_ids=prompt_ids, completion_ids=ids, gen_logprobs=lps, token_versions=versions, loss_mask=mask,
         reward=float(reward), finish_reason=finish, group_id=group_id, num_turns=turns,

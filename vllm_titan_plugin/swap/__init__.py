@@ -47,6 +47,10 @@ def _attach(app: Any, args: Any = None) -> Any:
     token = os.environ.get(TOKEN_ENV, "")
     if not token:  # unset between plugin load and app build: stay off
         return app
+    from vllm_titan_plugin.checks import swap_topology_problem
+
+    if problem := swap_topology_problem(args):  # before serving: a swap that reaches one engine of several
+        raise RuntimeError(problem)
     port = listener.wanted_port()  # a bad TITAN_SWAP_PORT stops start-up here, naming it
     state = SwapState(token, app, tagging.install())
     try:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vllm_titan_plugin import compat
 from vllm_titan_plugin.swap.targets import target_of
 from vllm_titan_plugin.swap.validate import file_spec, manifest_spec, name_list, spec_problems
 
@@ -67,6 +68,10 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
     return {"num_tensors": len(target.spec())}
 
 
+def worker_synchronize_device(worker: Any) -> None:
+    compat.synchronize_device(worker)
+
+
 def worker_weight_checksums(worker: Any) -> dict[str, str]:
     return target_of(worker).checksums()
 
@@ -97,4 +102,5 @@ METHODS = {
     "titan_load_weights_ipc": worker_load_weights_ipc,
     "titan_weight_checksums": worker_weight_checksums,
     "titan_set_batch_invariant": worker_set_batch_invariant,
+    "titan_synchronize_device": worker_synchronize_device,
 }

@@ -1,12 +1,14 @@
-"""Environments: an episode is ``reset(prompt) -> prompt token ids`` then, per turn, the generator
-continues the full token history and ``step(completion ids) -> (observation ids | None, reward, done)``.
-Observation tokens (tool output, a user turn) are part of the sequence the trainer sees but carry no
-loss: ``Sample.loss_mask`` is False on them.
+"""Environments: the protocol and the single-turn ones here, multi-turn retrieval in ``envs.search``.
+
+An episode is ``reset(prompt) -> prompt token ids`` then, per turn, the generator continues the full
+token history and ``step(completion ids) -> (observation ids | None, reward, done)``. Observation
+tokens (tool output, a user turn) are part of the sequence the trainer sees but carry no loss:
+``Sample.loss_mask`` is False on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 __all__ = ["Tokenizer", "TaskItem", "StepResult", "Environment", "Scorer", "SingleTurnEnv", "GuessThenCorrectEnv"]
@@ -33,11 +35,13 @@ class StepResult(NamedTuple):
 
 
 class Environment(Protocol):
-    """One episode's state. ``rollout_group`` makes a fresh one per sample through a factory."""
+    """One episode's state. ``rollout_group`` makes a fresh one per sample through a factory. ``step`` may
+    be a coroutine (``async def``): an environment whose tools do I/O or run processes awaits them there,
+    so other episodes keep streaming."""
 
     def reset(self, prompt: Any) -> list[int]: ...
 
-    def step(self, completion_ids: list[int]) -> StepResult: ...
+    def step(self, completion_ids: list[int]) -> StepResult | Awaitable[StepResult]: ...
 
 
 Scorer = Callable[[str, str], float]

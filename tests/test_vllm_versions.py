@@ -1,4 +1,4 @@
-"""The swap routes reach the API server's app whichever way vLLM's server was launched."""
+"""What differs between vLLM 0.26 (the lent GPU) and 0.32 (CPU) on the swap path, each side exercised."""
 
 from __future__ import annotations
 
@@ -43,3 +43,26 @@ def test_no_server_module_patches_nothing(monkeypatch: pytest.MonkeyPatch) -> No
     for name in compat.API_SERVER_ENTRY_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert not compat.wrap_api_server_build_app(lambda app, args: app, "__test_mark__")
+
+
+# -- the engine core's wait for idle workers -------------------------------------------------------------
+class _Worker026:
+    """A worker as vLLM 0.26 has it: no ``synchronize_device`` (0.32's ``WorkerBase`` has one)."""
+
+
+class _Worker032:
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def synchronize_device(self) -> None:
+        self.waited += 1
+
+
+def test_workers_synchronize_with_or_without_vllms_method() -> None:
+    from vllm_titan_plugin.swap.worker import METHODS
+
+    sync = METHODS["titan_synchronize_device"]
+    sync(_Worker026())  # vLLM 0.26: torch.accelerator's wait, no AttributeError
+    w = _Worker032()
+    sync(w)
+    assert w.waited == 1  # vLLM's own wait where the worker has one

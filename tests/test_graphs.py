@@ -161,3 +161,43 @@ def test_decode_step_reads_nothing_from_the_host(tiny_ckpt) -> None:
             _generate(llm, _prompts([5, 17, 40, 3], seed=7), 6)
     assert DECODE_STEPS_WATCHED[0] >= 4, DECODE_STEPS_WATCHED  # the check saw decode-only steps
     assert HOST_READS == [], HOST_READS[:10]
+
+
+class _Manager:
+    """vLLM 0.26's V2-runner graph manager, as far as ``graphs.recapture`` touches it."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[str, object] = {"decode-8": object()}
+        self._graphs_captured = True
+
+
+class _V2Runner:
+    def __init__(self, fail: bool = False) -> None:
+        self.cudagraph_manager, self.fail, self.captures = _Manager(), fail, 0
+
+    def capture_model(self) -> int:
+        assert not self.cudagraph_manager.graphs, "capture into a manager that still holds graphs"
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("capture failed")
+        self.cudagraph_manager.graphs["decode-8"] = object()
+        self.cudagraph_manager._graphs_captured = True
+        return 1
+
+
+def test_recapture_on_the_v2_runner() -> None:
+    """The BI switch's recapture on vLLM 0.26's V2 runner (no dispatcher; graphs in ``cudagraph_manager``):
+    it must drop the old graphs and capture again, or fall back to eager with none left to replay."""
+    from vllm_titan_plugin import graphs
+
+    ok = SimpleNamespace(model_runner=_V2Runner())
+    old = ok.model_runner.cudagraph_manager.graphs["decode-8"]
+    assert graphs.has_graphs(ok) and graphs.recapture(ok) == "recaptured"
+    mgr = ok.model_runner.cudagraph_manager
+    assert ok.model_runner.captures == 1 and mgr._graphs_captured and mgr.graphs["decode-8"] is not old
+
+    bad = SimpleNamespace(model_runner=_V2Runner(fail=True))
+    assert graphs.recapture(bad) == "eager"
+    mgr = bad.model_runner.cudagraph_manager
+    assert not mgr.graphs and not mgr._graphs_captured  # dispatch() answers NONE: every step eager
+    assert not graphs.has_graphs(bad) and graphs.recapture(bad) == "none"

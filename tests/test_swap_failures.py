@@ -45,6 +45,8 @@ class FakeEngine:
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         self.worker_calls.append(method)
+        if method == "titan_synchronize_device":  # the wait before a copy (vLLM 0.26's pause has none)
+            return [None]
         if isinstance(self.worker_answer, Exception):
             raise self.worker_answer
         return [self.worker_answer]

@@ -328,12 +328,13 @@ def engine_collective_rpc(engine_core: Any, method: str, *args: Any) -> list[Any
 
 
 def unscheduled_requests(engine_core: Any) -> list[Any]:
-    """Requests the scheduler holds that have no computed token yet: new ones waiting for a slot, and
-    preempted ones that will recompute (scheduler.requests: every unfinished request)."""
+    """Requests the scheduler holds that have no computed token yet: new ones waiting for a slot (also for a
+    grammar, remote KV or more streamed input), and preempted ones that will recompute
+    (scheduler.requests: every unfinished request)."""
     from vllm.v1.request import RequestStatus
 
-    pending = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-    return [r for r in engine_core.scheduler.requests.values() if r.status in pending and not r.num_computed_tokens]
+    return [r for r in engine_core.scheduler.requests.values()
+            if r.status != RequestStatus.RUNNING and not RequestStatus.is_finished(r.status) and not r.num_computed_tokens]
 
 
 def rehash_request_blocks(request: Any) -> None:

@@ -69,30 +69,52 @@ def configure(vllm_config: Any) -> None:
                 getattr(cc.mode, "name", cc.mode), cc.cudagraph_mode.name)
 
 
+# Two model runners keep their graphs in two places. The V1 runner: ``CUDAGraphWrapper`` s, dispatched by
+# ``runner.cudagraph_dispatcher``. vLLM 0.26's V2 runner (its default for dense, non-hybrid text models):
+# ``runner.cudagraph_manager.graphs`` with a ``_graphs_captured`` flag, no dispatcher.
+
+
 def has_graphs(worker: Any) -> bool:
     runner = getattr(worker, "model_runner", None)
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is not None:
+        return bool(getattr(manager, "graphs", None))
     dispatcher = getattr(runner, "cudagraph_dispatcher", None)
     mode = getattr(dispatcher, "cudagraph_mode", None)
     return mode is not None and getattr(mode, "name", "NONE") != "NONE"
 
 
+def _clear(runner: Any) -> None:
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    CUDAGraphWrapper.clear_all_graphs()
+    try:  # VLLM_USE_BREAKABLE_CUDAGRAPH=1 captures through this wrapper instead
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+    except ImportError:
+        pass
+    else:
+        BreakableCUDAGraphWrapper.clear_all_graphs()
+    if (manager := getattr(runner, "cudagraph_manager", None)) is not None:
+        manager.graphs.clear()
+        manager._graphs_captured = False  # its dispatch() then answers NONE: steps run eager
+
+
 def recapture(worker: Any) -> str:
     """Drop every captured graph of this worker and capture them again (after the BI switch flipped).
     Returns what happened: ``"none"`` (no graphs), ``"recaptured"`` or ``"eager"`` (capture failed: the
-    dispatcher is set to run every step eager, so the engine keeps serving, slower)."""
+    runner is set to run every step eager, so the engine keeps serving, slower)."""
     if not has_graphs(worker):
         return "none"
-    from vllm.compilation.cuda_graph import CUDAGraphWrapper
-
     runner = worker.model_runner
-    CUDAGraphWrapper.clear_all_graphs()
+    _clear(runner)
     try:
         runner.capture_model()
         return "recaptured"
     except Exception:
         logger.exception("titan: CUDA graph re-capture failed; this worker serves eager from now on")
-        CUDAGraphWrapper.clear_all_graphs()
-        from vllm.config import CUDAGraphMode
+        _clear(runner)
+        if (dispatcher := getattr(runner, "cudagraph_dispatcher", None)) is not None:
+            from vllm.config import CUDAGraphMode
 
-        runner.cudagraph_dispatcher.cudagraph_mode = CUDAGraphMode.NONE  # dispatch() then answers NONE
+            dispatcher.cudagraph_mode = CUDAGraphMode.NONE  # dispatch() then answers NONE
         return "eager"

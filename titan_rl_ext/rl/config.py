@@ -29,9 +29,21 @@ class RLConfig:
     served_model_name: str = ""
     """``model`` field of completion requests; default: ``model_dir``."""
     task: str = "synthetic_sum"
-    """``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed answers, e.g. DAPO-Math-17k)."""
+    """``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed answers, e.g. DAPO-Math-17k) |
+    ``search`` (multi-turn retrieval, ``envs.search``) | ``terminal`` (a bash agent in a sandbox, ``envs.terminal``)."""
     dataset_path: str = ""
-    """``math``: local parquet/jsonl; empty = env ``DAPO_MATH_PATH``, else the hub dataset ``dataset_hub_id``."""
+    """``math``: local parquet/jsonl; empty = env ``DAPO_MATH_PATH``, else the hub dataset ``dataset_hub_id``.
+    ``search``: the questions JSONL; ``terminal``: the folder of task folders; empty = the shipped toy set."""
+    search_corpus: str = ""
+    """``search``: the passages JSONL the BM25 index is built from (empty = the toy corpus)."""
+    search_top_k: int = 3
+    passage_tokens: int = 256
+    """``search``: token budget of one ``<information>`` block."""
+    open_with_tool: bool = False
+    """``search``: every prompt ends with ``<search>`` (the first turn is a query), for models that do not
+    know the protocol yet."""
+    max_turns: int = 1
+    """Generation turns per episode (the search and terminal environments also end on their own limits)."""
     dataset_hub_id: str = "BytedTsinghua-SIA/DAPO-Math-17k"
     prompts_per_step: int = 4
     group_size: int = 8

@@ -4,7 +4,8 @@
   hub), fast-forwarded to a start index;
 - ``PromptCursor`` / ``PromptLedger``: the lowest prompt index not yet trained on (or dropped as stale) plus
   the done ones above it; checkpointed, so a resumed run draws the unfinished prompts again and skips none;
-- ``load_eval_items``: the fixed held-out set; ``scorer``: the task's reward function.
+- ``load_eval_items``: the fixed held-out set; ``scorer``: the task's reward function; ``env_factory``: its
+  environment (single-turn, or the multi-turn search and terminal agents of ``rl.envs``).
 """
 
 from __future__ import annotations
@@ -75,22 +76,38 @@ def load_prompts(rl: RLConfig, tokenizer: Any, start: int = 0) -> Iterator[Any]:
     if rl.task in ("synthetic_sum", "synthetic_copy"):
         return _synthetic_prompts(rl.task.removeprefix("synthetic_"), rl.seed, start)
     if rl.task == "math":
-        import random
-
         rows = _math_rows(rl.dataset_path, rl.dataset_hub_id)
         if not rows:
             raise ValueError("task='math': the dataset has no rows")
+        return (_math_item(r, tokenizer) for r in _epochs(rows, rl.seed, start))
+    if rl.task in AGENT_TASKS:
+        return _epochs(_agent_items(rl), rl.seed, start)
+    raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math | search | terminal")
 
-        def gen() -> Iterator[Any]:
-            first, skip = divmod(start, len(rows))
-            for epoch in itertools.count(first):
-                order = list(range(len(rows)))
-                random.Random(rl.seed * 100003 + epoch).shuffle(order)
-                for i in order[skip if epoch == first else 0:]:
-                    yield _math_item(rows[i], tokenizer)
 
-        return gen()
-    raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math")
+AGENT_TASKS = ("search", "terminal")
+
+
+def _agent_items(rl: RLConfig) -> list[Any]:
+    if rl.task == "search":
+        from titan_rl_ext.rl.envs.search import load_questions, toy_questions
+
+        return load_questions(rl.dataset_path) if rl.dataset_path else toy_questions()
+    from titan_rl_ext.rl.envs.terminal import load_tasks, toy_tasks
+
+    return load_tasks(rl.dataset_path) if rl.dataset_path else toy_tasks()
+
+
+def _epochs(items: list[Any], seed: int, start: int) -> Iterator[Any]:
+    """``items`` over and over, each pass in its own seeded order, from position ``start`` on."""
+    import random
+
+    first, skip = divmod(start, len(items))
+    for epoch in itertools.count(first):
+        order = list(range(len(items)))
+        random.Random(seed * 100003 + epoch).shuffle(order)
+        for i in order[skip if epoch == first else 0:]:
+            yield items[i]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +181,31 @@ def load_eval_items(rl: RLConfig, tokenizer: Any) -> list[Any]:
         if not rl.eval_path:
             raise ValueError("task='math' with eval_every > 0 needs rl.eval_path (a held-out jsonl/parquet set)")
         return [_math_item(r, tokenizer) for r in _math_rows(rl.eval_path, "")[: rl.eval_items]]
+    if rl.task in AGENT_TASKS:  # eval_path: another questions file / tasks folder than the training set
+        return (_agent_items(RLConfig(task=rl.task, dataset_path=rl.eval_path)) if rl.eval_path
+                else _agent_items(rl))[: rl.eval_items]
     raise ValueError(f"unknown task {rl.task!r}")
+
+
+def env_factory(rl: RLConfig, tokenizer: Any) -> tuple[Any, tuple[str, ...]]:
+    """The task's environment factory (``rollout_group``'s ``make_env``) and the strings generation stops at."""
+    import functools
+
+    if rl.task == "search":
+        from titan_rl_ext.rl.envs.search import BM25Index, SearchEnv, toy_corpus
+
+        index = BM25Index.build(rl.search_corpus or toy_corpus())  # once per run: episodes share it
+        return (functools.partial(SearchEnv, tokenizer, index, top_k=rl.search_top_k,
+                                  max_searches=max(rl.max_turns - 1, 0), passage_tokens=rl.passage_tokens,
+                                  open_with_search=rl.open_with_tool),
+                SearchEnv.STOP)
+    if rl.task == "terminal":
+        from titan_rl_ext.rl.envs.terminal import TerminalEnv
+
+        return functools.partial(TerminalEnv, tokenizer, max_turns=rl.max_turns), TerminalEnv.STOP
+    from titan_rl_ext.rl.envs import SingleTurnEnv
+
+    return functools.partial(SingleTurnEnv, tokenizer, scorer(rl.task)), ()
 
 
 def scorer(task: str) -> Any:

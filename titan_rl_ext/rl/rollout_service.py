@@ -4,13 +4,12 @@ the generator fleet, and the trainer's synchronous view of it (take a batch, pub
 from __future__ import annotations
 
 import asyncio
-import functools
 import statistics
 import threading
 from typing import Any
 
 from titan_rl_ext.rl.config import RLConfig
-from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, load_prompts, scorer
+from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, env_factory, load_prompts
 
 
 
@@ -23,16 +22,17 @@ class RolloutService:
 
     def __init__(self, rl: RLConfig, fleet: Any, model_name: str, tokenizer: Any, initial_version: int,
                  cursor: PromptCursor) -> None:
-        from titan_rl_ext.rl.envs import SingleTurnEnv
         from titan_rl_ext.rl.samples import SamplingConfig
 
         self.rl = rl
         self.fleet = fleet  # rl.fleet.GeneratorFleet: who may produce samples
         self.urls = list(fleet.members)
         self.model_name = model_name
-        extra = {"ignore_eos": True} if rl.ignore_eos else {}
+        self.make_env, stop = env_factory(rl, tokenizer)
+        extra: dict[str, Any] = {"ignore_eos": True} if rl.ignore_eos else {}
+        if stop:  # a tool call's closing tag ends the turn
+            extra["stop"] = list(stop)
         self.sampling = SamplingConfig(temperature=rl.temperature, top_p=rl.top_p, max_tokens=rl.max_tokens, extra=extra)
-        self.make_env = functools.partial(SingleTurnEnv, tokenizer, scorer(rl.task))
         self.ledger = PromptLedger(load_prompts(rl, tokenizer, start=cursor.next), cursor)
         self.initial_version = initial_version
         self.loop = asyncio.new_event_loop()
@@ -69,7 +69,7 @@ class RolloutService:
                 index, prompt = self.ledger.draw()
                 seeds = [sample_seed(self.rl.seed, index, j) for j in range(G)] if self.rl.seeded_sampling else None
                 group = await rollout_group(client, self.make_env, prompt, G, self.sampling, group_id=index,
-                                            max_turns=1, seeds=seeds)
+                                            max_turns=self.rl.max_turns, seeds=seeds)
             except BaseException:
                 self.window.cancel(ticket)
                 raise
@@ -118,7 +118,7 @@ class RolloutService:
 
         async def run() -> list[float]:
             groups = await asyncio.gather(*(
-                rollout_group(self.client, self.make_env, item, 1, greedy, group_id=-1, max_turns=1)
+                rollout_group(self.client, self.make_env, item, 1, greedy, group_id=-1, max_turns=self.rl.max_turns)
                 for i, item in enumerate(items)
             ))
             return [g[0].reward for g in groups]

@@ -410,6 +410,8 @@ async def _swap(state: SwapState, method: str, arg: Any, version: int, keep_cach
         # inside the try: vLLM marks the engine paused before the cache reset that can raise, so a pause that
         # fails part-way must still be resumed, or the engine stays paused for good
         await compat.pause_generation(engine, keep_cache=keep_cache)
+        # vLLM 0.32's pause waits for the device; 0.26's does not: wait here before any weight changes
+        await compat.worker_rpc(engine, "titan_synchronize_device")
         with _dirty_on_failure(state, version, "in a worker"):
             results = await compat.worker_rpc(engine, method, arg)
         if (refused := first_refusal(results)) is not None:

@@ -36,7 +36,8 @@ from vllm_titan_plugin.swap.ledger import VersionLedger, spans_of
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # every route that runs the model; the ones beyond GENERATION_PATHS carry no salt or tags and are refused
-ALL_GENERATION_PATHS = GENERATION_PATHS + ("/v1/responses", "/inference/v1/generate", "/invocations")
+ALL_GENERATION_PATHS = GENERATION_PATHS + ("/v1/responses", "/inference/v1/generate", "/invocations", "/v1/messages",
+                                            "/v1/chat/completions/batch", "/generative_scoring")
 _MARK = "__titan_versions__"
 
 Scope = MutableMapping[str, Any]

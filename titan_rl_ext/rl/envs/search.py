@@ -201,25 +201,32 @@ class SearchEnv:
     STOP = ("</search>", "</answer>")
 
     def __init__(self, tokenizer: Tokenizer, index: BM25Index, top_k: int = 3, max_searches: int = 3,
-                 passage_tokens: int = 256) -> None:
+                 passage_tokens: int = 256, open_with_search: bool = False) -> None:
+        """``open_with_search``: the prompt ends with ``<search>``, so the first turn is a query (a model that
+        does not know the protocol yet -- the CPU demo's -- still gets multi-turn episodes)."""
         if top_k < 1 or max_searches < 0 or passage_tokens < 1:
             raise ValueError(f"top_k >= 1, max_searches >= 0, passage_tokens >= 1; got {top_k}, {max_searches}, "
                              f"{passage_tokens}")
         self.tokenizer, self.index = tokenizer, index
         self.top_k, self.max_searches, self.passage_tokens = top_k, max_searches, passage_tokens
+        self.open_with_search = open_with_search
         self.answers: tuple[str, ...] = ()
-        self.searches = 0
+        self.searches = self.turns = 0
         self.end_reason: str | None = None
 
     def reset(self, item: SearchQuestion) -> list[int]:
-        self.answers, self.searches, self.end_reason = tuple(item.answers), 0, None
+        self.answers, self.searches, self.turns, self.end_reason = tuple(item.answers), 0, 0, None
         text = PROMPT.format(max_searches=self.max_searches, question=item.prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text + ("<search>" if self.open_with_search else ""),
+                                          add_special_tokens=False))
 
     async def step(self, completion_ids: list[int]) -> StepResult:
         if not self.answers:
             raise RuntimeError("reset() first")
+        self.turns += 1
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+        if self.open_with_search and self.turns == 1:
+            text = "<search>" + text
         m = _TAG.search(text)
         if m is None:
             return self._end("no_action", 0.0)

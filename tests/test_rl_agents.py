@@ -1,7 +1,8 @@
-"""The RL loop on a multi-turn agent task against the real CPU vLLM server (issue 24): the search recipe
-(``rl_search_cpu``) trains with BI on both sides, every episode has a retrieved ``<information>`` block
-between its turns, and the trainer's recomputed logprobs equal the generator's bit for bit -- fresh
-tokens at step 1 and stale ones (sampled by older weights, recomputed with those) at every step."""
+"""The RL loop on multi-turn agent tasks against the real CPU vLLM server (issue 24): the search recipe
+(``rl_search_cpu``) and the terminal recipe (``rl_terminal_cpu``, a process sandbox per episode) train with
+BI on both sides, every episode has environment tokens (retrieved passages, command output) between its
+turns, and the trainer's recomputed logprobs equal the generator's bit for bit -- fresh tokens at step 1
+and stale ones (sampled by older weights, recomputed with those) at every step."""
 
 from __future__ import annotations
 
@@ -21,12 +22,18 @@ if importlib.util.find_spec("bm25s") is None:
     pytest.skip("bm25s absent: the 'agents' extra (scripts/setup.sh installs it)", allow_module_level=True)
 
 
-def test_search_recipe_exact_over_multi_turn_samples(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", ["rl_search_cpu", "rl_terminal_cpu"])
+def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str) -> None:
     from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION
 
+    if recipe == "rl_terminal_cpu":
+        from titan_rl_ext.rl.envs.sandbox import network_isolation_problem
+
+        if problem := network_isolation_problem():
+            pytest.skip(problem)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_search_cpu",
+           "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", recipe,
            "--training.steps", "3", "--rl.run-dir", str(run), "--dump-folder", str(tmp_path / "dump")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_train_env(tmp_path, tmp_path / "cache"),
                        cwd=tmp_path)
@@ -40,12 +47,12 @@ def test_search_recipe_exact_over_multi_turn_samples(tmp_path: Path) -> None:
         samples = [s for g in roll["groups"] for s in g["samples"]]
         for s in samples:
             versions = s["token_versions"]
-            # the first turn is a query (the prompt opens <search>), its results come back without loss
+            # the first turn is a tool call (the prompt opens the tag); its result comes back without loss
             assert ENV_TOKEN_VERSION in versions, s
             env_tokens += versions.count(ENV_TOKEN_VERSION)
         for k, n in (("bit_wise/logprob_diff/max", "bit_wise/num_tokens"),
                      ("bit_wise_stale/logprob_diff/max", "bit_wise_stale/num_tokens")):
             assert (rec[k] == 0.0) if rec[n] > 0 else (rec[k] != rec[k]), (k, rec[k], n, rec[n])
         stale += rec["bit_wise_stale/num_tokens"]
-    print(f"\nsearch recipe: {env_tokens} retrieved tokens in the samples, "
+    print(f"\n{recipe}: {env_tokens} environment tokens in the samples, "
           f"{sum(x['bit_wise/num_tokens'] for x in recs)} fresh and {stale} stale tokens compared, all equal")

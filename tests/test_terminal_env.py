@@ -182,3 +182,12 @@ def test_a_crashed_sandbox_ends_only_its_episode() -> None:
     bad_result, good_sample = asyncio.run(run())
     assert bad_result == (None, 0.0, True)
     assert good_sample.reward == 1.0  # type: ignore[attr-defined]
+
+
+def test_open_with_command_makes_the_first_turn_a_command() -> None:
+    task = {t.name: t for t in toy_tasks()}["hello_file"]
+    env = TerminalEnv(ByteTokenizer(), LIMITS, open_with_command=True)
+    sample = asyncio.run(rollout_episode(ScriptedGenerator(["echo 'hello world' > hello.txt</bash>", "done"]), env,
+                                         task, SamplingConfig()))
+    assert ByteTokenizer().decode(sample.prompt_ids).endswith("<bash>")  # type: ignore[attr-defined]
+    assert sample.reward == 1.0 and sample.num_turns == 2  # type: ignore[attr-defined]

@@ -40,8 +40,8 @@ class RLConfig:
     passage_tokens: int = 256
     """``search``: token budget of one ``<information>`` block."""
     open_with_tool: bool = False
-    """``search``: every prompt ends with ``<search>`` (the first turn is a query), for models that do not
-    know the protocol yet."""
+    """Every prompt ends with the tool's opening tag (``search``: ``<search>``, ``terminal``: ``<bash>``), so the
+    first turn is a tool call, for models that do not know the protocol yet."""
     max_turns: int = 1
     """Generation turns per episode (the search and terminal environments also end on their own limits)."""
     dataset_hub_id: str = "BytedTsinghua-SIA/DAPO-Math-17k"

@@ -202,7 +202,8 @@ def env_factory(rl: RLConfig, tokenizer: Any) -> tuple[Any, tuple[str, ...]]:
     if rl.task == "terminal":
         from titan_rl_ext.rl.envs.terminal import TerminalEnv
 
-        return functools.partial(TerminalEnv, tokenizer, max_turns=rl.max_turns), TerminalEnv.STOP
+        return (functools.partial(TerminalEnv, tokenizer, max_turns=rl.max_turns, open_with_command=rl.open_with_tool),
+                TerminalEnv.STOP)
     from titan_rl_ext.rl.envs import SingleTurnEnv
 
     return functools.partial(SingleTurnEnv, tokenizer, scorer(rl.task)), ()

@@ -82,10 +82,14 @@ class TerminalEnv:
     max_concurrent: ClassVar[int] = 16
     _slots: ClassVar[dict[asyncio.AbstractEventLoop, asyncio.Semaphore]] = {}
 
-    def __init__(self, tokenizer: Tokenizer, limits: SandboxLimits = SandboxLimits(), max_turns: int = 64) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: SandboxLimits = SandboxLimits(), max_turns: int = 64,
+                 open_with_command: bool = False) -> None:
+        """``open_with_command``: the prompt ends with ``<bash>``, so the first turn is a command (a model
+        that does not know the protocol yet still gets multi-turn episodes)."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.tokenizer, self.limits, self.max_turns = tokenizer, limits, max_turns
+        self.open_with_command = open_with_command
         self.task: TerminalTask | None = None
         self.sandbox: Sandbox | None = None
         self.turns = 0
@@ -96,13 +100,17 @@ class TerminalEnv:
 
     def reset(self, task: TerminalTask) -> list[int]:
         self.task, self.turns, self.end_reason, self.test_output = task, 0, None, ""
-        return list(self.tokenizer.encode(PROMPT.format(instruction=task.prompt), add_special_tokens=False))
+        text = PROMPT.format(instruction=task.prompt) + ("<bash>" if self.open_with_command else "")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def step(self, completion_ids: list[int]) -> StepResult:
         if self.task is None:
             raise RuntimeError("reset() first")
         self.turns += 1
-        m = _BASH.search(self.tokenizer.decode(completion_ids, skip_special_tokens=True))
+        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+        if self.open_with_command and self.turns == 1:
+            text = "<bash>" + text
+        m = _BASH.search(text)
         if m is None:
             return await self._finish("finished")
         try:

@@ -191,3 +191,28 @@ def test_open_with_command_makes_the_first_turn_a_command() -> None:
                                          task, SamplingConfig()))
     assert ByteTokenizer().decode(sample.prompt_ids).endswith("<bash>")  # type: ignore[attr-defined]
     assert sample.reward == 1.0 and sample.num_turns == 2  # type: ignore[attr-defined]
+
+
+def test_sandbox_uids_are_distinct_across_processes() -> None:
+    """Two processes on one host (two trainers, or a test run beside one) never share a sandbox uid: the
+    process limit and the kill at the end are per uid."""
+    import subprocess
+    import sys
+
+    from titan_rl_ext.rl.envs.sandbox import _take_uid
+
+    if os.geteuid() != 0:
+        pytest.skip("sandboxes get their own uid only as root")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from titan_rl_ext.rl.envs.sandbox import _take_uid; "
+                               "print(_take_uid()[0], flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        held = int(holder.stdout.readline())  # type: ignore[union-attr]
+        uid, fd = _take_uid()
+        os.close(fd)
+        assert uid != held
+    finally:
+        holder.kill()
+        holder.wait()
+    uid2, fd2 = _take_uid()  # the holder's lock died with it
+    os.close(fd2)
+    assert uid2 == min(held, uid)

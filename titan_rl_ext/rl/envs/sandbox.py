@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
+import fcntl
 import functools
 import os
 import resource
@@ -32,7 +33,9 @@ from pathlib import Path
 __all__ = ["SandboxLimits", "CommandResult", "Sandbox", "network_isolation_problem"]
 
 UID_POOL = range(61000, 62000)
-_free_uids = set(UID_POOL)
+UID_LOCKS = Path(tempfile.gettempdir()) / "titan-sandbox-uids"
+"""One lock file per uid: sandboxes of every process on the host (two trainers, a test run beside a
+trainer) take distinct uids, and a lock dies with the process that held it."""
 CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
 
 
@@ -88,6 +91,31 @@ def network_isolation_problem() -> str | None:
             f"root or with user namespaces enabled, or pass SandboxLimits(network=True) to run with the network")
 
 
+def _take_uid() -> tuple[int, int]:
+    """A uid from ``UID_POOL`` that no sandbox on this host holds, and the descriptor of its lock."""
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    for uid in UID_POOL:
+        fd = os.open(UID_LOCKS / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise RuntimeError(f"all {len(UID_POOL)} sandbox uids are in use on this host")
+
+
+def _kill_uid(uid: int) -> None:  # pragma: no cover - runs in a forked child
+    """Kill every process of ``uid``, again until none is left: a fork bomb forks between two sweeps."""
+    os.setgid(uid)
+    os.setuid(uid)
+    for _ in range(1000):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+
+
 def _user_tasks(uid: int) -> int:
     n = 0
     for status in Path("/proc").glob("[0-9]*/status"):
@@ -113,6 +141,7 @@ class Sandbox:
         self.root = Path(tempfile.mkdtemp(prefix="titan-sandbox-"))
         self.work = self.root / "work"
         self.uid: int | None = None
+        self._uid_lock = -1
         self.proc: asyncio.subprocess.Process | None = None
         self.closed = False
 
@@ -123,9 +152,7 @@ class Sandbox:
         else:
             self.work.mkdir()
         if os.geteuid() == 0:
-            if not _free_uids:
-                raise RuntimeError(f"all {len(UID_POOL)} sandbox uids are in use")
-            self.uid = _free_uids.pop()
+            self.uid, self._uid_lock = _take_uid()
             os.chmod(self.root, 0o755)
             for p in [self.work, *self.work.rglob("*")]:
                 os.chown(p, self.uid, self.uid, follow_symlinks=False)
@@ -138,7 +165,7 @@ class Sandbox:
         await self._kill_all()
         shutil.rmtree(self.root, ignore_errors=True)
         if self.uid is not None:
-            _free_uids.add(self.uid)
+            os.close(self._uid_lock)  # releases the uid for the next sandbox on this host
             self.uid = None
 
     # -- commands --------------------------------------------------------------------------------------
@@ -274,9 +301,7 @@ class Sandbox:
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the child
                 try:
-                    os.setgid(self.uid)
-                    os.setuid(self.uid)
-                    os.kill(-1, signal.SIGKILL)
+                    _kill_uid(self.uid)
                 finally:
                     os._exit(0)
             await asyncio.to_thread(os.waitpid, pid, 0)

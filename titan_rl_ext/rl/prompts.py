@@ -81,21 +81,22 @@ def load_prompts(rl: RLConfig, tokenizer: Any, start: int = 0) -> Iterator[Any]:
             raise ValueError("task='math': the dataset has no rows")
         return (_math_item(r, tokenizer) for r in _epochs(rows, rl.seed, start))
     if rl.task in AGENT_TASKS:
-        return _epochs(_agent_items(rl), rl.seed, start)
+        return _epochs(_agent_items(rl.task, rl.dataset_path), rl.seed, start)
     raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math | search | terminal")
 
 
 AGENT_TASKS = ("search", "terminal")
 
 
-def _agent_items(rl: RLConfig) -> list[Any]:
-    if rl.task == "search":
+def _agent_items(task: str, path: str) -> list[Any]:
+    """The questions (``search``) or task folders (``terminal``) at ``path``; the shipped toy set if empty."""
+    if task == "search":
         from titan_rl_ext.rl.envs.search import load_questions, toy_questions
 
-        return load_questions(rl.dataset_path) if rl.dataset_path else toy_questions()
+        return load_questions(path) if path else toy_questions()
     from titan_rl_ext.rl.envs.terminal import load_tasks, toy_tasks
 
-    return load_tasks(rl.dataset_path) if rl.dataset_path else toy_tasks()
+    return load_tasks(path) if path else toy_tasks()
 
 
 def _epochs(items: list[Any], seed: int, start: int) -> Iterator[Any]:
@@ -182,8 +183,7 @@ def load_eval_items(rl: RLConfig, tokenizer: Any) -> list[Any]:
             raise ValueError("task='math' with eval_every > 0 needs rl.eval_path (a held-out jsonl/parquet set)")
         return [_math_item(r, tokenizer) for r in _math_rows(rl.eval_path, "")[: rl.eval_items]]
     if rl.task in AGENT_TASKS:  # eval_path: another questions file / tasks folder than the training set
-        return (_agent_items(RLConfig(task=rl.task, dataset_path=rl.eval_path)) if rl.eval_path
-                else _agent_items(rl))[: rl.eval_items]
+        return _agent_items(rl.task, rl.eval_path or rl.dataset_path)[: rl.eval_items]
     raise ValueError(f"unknown task {rl.task!r}")
 
 

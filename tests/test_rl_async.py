@@ -245,6 +245,20 @@ def test_bit_wise_metrics_over_mask_only() -> None:
     assert bit_wise_metrics(gen_T, gen_T.clone(), mask_T)[RATIO_TOKENS_DIFFERENT] == 0.0
 
 
+def test_only_whole_samples_of_a_version_are_compared_at_it() -> None:
+    from titan_rl_ext.rl.samples import sampled_by_mask
+
+    # fresh at 3; straddling 2 -> 3 (its tail is at 3 but sampled over a cache version 2 wrote); stale at 2;
+    # multi-turn at 3 with environment tokens between the turns
+    whole, straddling, old = _sample([3, 3]), _sample([2, 3, 3]), _sample([2, 2])
+    turns = _sample([3, ENV_TOKEN_VERSION, 3])
+    assert (whole.sampled_by, straddling.sampled_by, old.sampled_by, turns.sampled_by) == (3, None, 2, 3)
+    mask = sampled_by_mask([whole, straddling, old, turns], 3)
+    prompt = [False, False]
+    assert mask.tolist() == (prompt + [True, True] + prompt + [False] * 3 + prompt + [False] * 2
+                             + prompt + [True, False, True])
+
+
 def test_gap_metrics_named_counted_and_nan_when_empty() -> None:
     m = gap_metrics(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.5]), "bit_wise_stale")
     assert m == {"bit_wise_stale/logprob_diff/abs_mean": 0.25, "bit_wise_stale/logprob_diff/max": 0.5,

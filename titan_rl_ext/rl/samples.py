@@ -111,6 +111,14 @@ class Sample:
     def newest_version(self) -> int | None:
         return max(self.policy_versions, default=None)
 
+    @property
+    def sampled_by(self) -> int | None:
+        """The one version that generated every loss token; None when there is none, or when a swap
+        landed mid-sample: the tokens after it were sampled over a KV cache and GDN state that the older
+        weights wrote, so no single set of weights reproduces their logprobs bit for bit."""
+        vs = set(self.policy_versions)
+        return next(iter(vs)) if len(vs) == 1 else None
+
 
 @dataclass(slots=True)
 class PackedRollouts:
@@ -123,6 +131,16 @@ class PackedRollouts:
     gen_logprobs_T: torch.Tensor
     rewards_N: torch.Tensor
     group_ids_N: torch.Tensor
+
+
+def sampled_by_mask(samples: Sequence[Sample], version: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[T]`` in ``pack_samples``' layout: the loss tokens of the samples generated wholly by ``version``
+    (the tokens a recompute with that version's weights must match bit for bit)."""
+    mask: list[bool] = []
+    for s in samples:
+        mask += [False] * len(s.prompt_ids) + ([bool(m) for m in s.loss_mask] if s.sampled_by == version
+                                               else [False] * len(s.completion_ids))
+    return torch.tensor(mask, dtype=torch.bool, device=device)
 
 
 def pack_samples(samples: Sequence[Sample], device: torch.device | str | None = None) -> PackedRollouts:

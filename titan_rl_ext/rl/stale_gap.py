@@ -38,13 +38,13 @@ class StaleGap:
         by_version: dict[int, list[Any]] = {}
         skipped = 0
         for smp in samples:
-            vs = {v for v, m in zip(smp.token_versions, smp.loss_mask) if m}
-            if len(vs) == 1 and (v := next(iter(vs))) != current:
+            v = smp.sampled_by
+            if v is not None and v != current:
                 if v in self.history:
                     by_version.setdefault(v, []).append(smp)
                 else:
                     skipped += 1
-            elif len(vs) > 1:
+            elif v is None and smp.num_loss_tokens:
                 skipped += 1  # straddles a swap: its context mixes versions
         gen, ours = [], []
         if by_version:

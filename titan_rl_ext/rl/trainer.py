@@ -391,10 +391,11 @@ class RLTrainer(Trainer):
         the policy moved), ``bit_wise_all/*`` over every loss token, ``bit_wise_stale/*`` (rank 0) over
         older versions recomputed with their own weights. Every rank's tokens count."""
         from titan_rl_ext.rl.metrics import bit_wise_metrics, gap_metrics
+        from titan_rl_ext.rl.samples import sampled_by_mask
 
-        version_T = torch.tensor([v for s in ro.mine for v in [-1] * len(s.prompt_ids) + list(s.token_versions)],
-                                 device=self.device)
-        fresh_T = packed.loss_mask_T & (version_T == self.rl_version)
+        # whole samples only: the tail of one that straddles a swap is at this version but was sampled
+        # over a cache the older weights wrote (seen under CI load: a 4e-4 "fresh" gap)
+        fresh_T = sampled_by_mask(ro.mine, self.rl_version, device=self.device)
         # gather the (few thousand) compared logprobs before reducing
         gen_f, re_f = self._gather_cat(packed.gen_logprobs_T[fresh_T]), self._gather_cat(lp_re_T[fresh_T])
         gen_a = self._gather_cat(packed.gen_logprobs_T[packed.loss_mask_T])

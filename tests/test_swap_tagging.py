@@ -95,3 +95,52 @@ def test_ledger_turns_engine_counts_into_spans() -> None:
     ledger.cancel()  # busy, refused or failed: version 6 never happened
     assert getattr(refused, STARTS_ATTR) == [(5, 0)] and ledger.version == 5
     assert getattr(running, STARTS_ATTR) == [(4, 0), (5, 7)]
+
+
+def _scale_norms(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.mul_(1.2)
+
+
+def test_swap_mid_prefill_starts_the_prompt_over(tiny_ckpt, monkeypatch) -> None:
+    """A swap that lands between two chunks of a prompt's prefill: every token the request samples is
+    tagged with the new version, so its whole context must be the new weights' too. With BI on, its greedy
+    tokens and logprobs equal a request run wholly on the new weights, bit for bit; without the restart the
+    first chunk's KV/GDN state (old weights) leaks in (the weights move by 20 %: every logprob changes)."""
+    import torch
+    from test_vllm_plugin import ENGINE_ENV, _prompts, titan_engine
+    from vllm import SamplingParams
+
+    from vllm_titan_plugin.swap.engine import set_weight_version
+
+    for k, v in {**ENGINE_ENV, "TITAN_BATCH_INVARIANT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    prompt = _prompts([150], seed=3)[0]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+    with titan_engine(tiny_ckpt("qwen3_5", layout="text"), enable_prefix_caching=False, max_num_batched_tokens=64,
+                      max_num_seqs=4, long_prefill_token_threshold=64) as llm:
+        engine, core = llm.llm_engine, llm.llm_engine.engine_core.engine_core
+
+        def run(rid: str, swap_after_steps: int | None) -> tuple[list[int], list[float], int]:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+            steps, out = 0, None
+            while engine.has_unfinished_requests():
+                if steps == swap_after_steps:
+                    (req,) = core.scheduler.requests.values()  # vLLM adds a suffix to the id
+                    assert 0 < req.num_computed_tokens < len(prompt) and req.num_output_tokens == 0
+                    llm.apply_model(_scale_norms)
+                    set_weight_version(core, 1)
+                for o in engine.step():
+                    if o.finished:
+                        out = o
+                steps += 1
+            c = out.outputs[0]
+            return list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], out.num_cached_tokens or 0
+
+        ids_swap, lps_swap, _ = run("mid", swap_after_steps=1)
+        ids_new, lps_new, _ = run("after", swap_after_steps=None)
+    assert ids_swap == ids_new and torch.equal(torch.tensor(lps_swap), torch.tensor(lps_new)), (lps_swap, lps_new)

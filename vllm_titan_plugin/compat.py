@@ -337,6 +337,27 @@ def unscheduled_requests(engine_core: Any) -> list[Any]:
             if r.status != RequestStatus.RUNNING and not RequestStatus.is_finished(r.status) and not r.num_computed_tokens]
 
 
+def restart_partial_prefills(engine_core: Any) -> list[str]:
+    """Inside the engine core, between steps with no batch in flight: preempt every running request that has
+    computed part of its prompt but sampled no token yet (a prefill split over steps, or prefix-cache
+    blocks reused), so it computes its whole prompt again from the waiting queue. Its KV and GDN state would
+    otherwise mix two weight versions under tokens that all carry the new one. vLLM's own preemption, as
+    ``reset_prefix_cache(reset_running_requests=True)`` does it for every request (scheduler.py, 0.26 and
+    0.32: the request leaves ``running``, ``_preempt_request`` frees its blocks and queues it first, the
+    runner is told through ``reset_preempted_req_ids``; out of the previous step's set, the next step sends
+    it whole). Returns their ids."""
+    import time
+
+    sched = engine_core.scheduler
+    partial = [r for r in sched.running if r.num_computed_tokens and not r.num_output_tokens]
+    now = time.monotonic()
+    for r in partial:
+        sched.running.remove(r)
+        sched._preempt_request(r, now)
+        sched.prev_step_scheduled_req_ids.discard(r.request_id)
+    return [r.request_id for r in partial]
+
+
 def rehash_request_blocks(request: Any) -> None:
     """Recompute a request's prefix-cache block hashes from scratch (request.py:285: the hasher appends
     from ``len(block_hashes)`` on, chaining on the last one)."""

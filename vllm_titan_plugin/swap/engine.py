@@ -13,6 +13,9 @@ Both live in the engine-core process and change in the engine core's own loop, b
   in transit to it) when version ``N+1`` lands, is re-salted ``titan-v<N+1>`` before it is first
   scheduled: it cannot reuse prefix blocks that other weights computed. A salt the client chose is left
   alone.
+- A running request that has computed part of its prompt but sampled nothing yet starts its prompt over
+  under the new version (preempted, then re-salted): every token it samples is counted new, so its
+  context must be the new weights' too.
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ def set_weight_version(engine_core: Any, version: int) -> dict[str, Any]:
     flight. Returns ``counts`` (output tokens of every unfinished request: its tokens from that index on
     are the new version's), how many waiting requests were re-salted, and how many requests straddle the
     swap (``in_flight``: they hold tokens of the old weights). A swap that lands while the engine holds no
-    such request changed no sample's history: the pusher can tell."""
+    such request changed no sample's history: the pusher can tell. A prompt half computed by the old weights
+    starts over first (``compat.restart_partial_prefills``): its tokens, all counted new, must be the new
+    weights' alone."""
     EngineVersion.version = int(version)
     compat.set_engine_weight_version(engine_core, str(int(version)))
+    if restarted := compat.restart_partial_prefills(engine_core):
+        logger.info("titan weights v%d: %d half-computed prompt(s) start over", version, len(restarted))
     n = sum(resalt(r) for r in compat.unscheduled_requests(engine_core))
     if n:
         logger.info("titan weights v%d: re-salted %d waiting request(s)", version, n)

@@ -42,7 +42,7 @@ def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str)
     rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [1, 2, 3]
     assert recs[0]["bit_wise/num_tokens"] > 0 and recs[0]["bit_wise/logprob_diff/max"] == 0.0, recs[0]
-    env_tokens = stale = 0
+    env_tokens = stale = across = 0
     for rec, roll in zip(recs, rolls):
         samples = [s for g in roll["groups"] for s in g["samples"]]
         for s in samples:
@@ -54,5 +54,7 @@ def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str)
                      ("bit_wise_stale/logprob_diff/max", "bit_wise_stale/num_tokens")):
             assert (rec[k] == 0.0) if rec[n] > 0 else (rec[k] != rec[k]), (k, rec[k], n, rec[n])
         stale += rec["bit_wise_stale/num_tokens"]
+        across += rec["bit_wise_stale/samples_across_swaps"]
     print(f"\n{recipe}: {env_tokens} environment tokens in the samples, "
-          f"{sum(x['bit_wise/num_tokens'] for x in recs)} fresh and {stale} stale tokens compared, all equal")
+          f"{sum(x['bit_wise/num_tokens'] for x in recs)} fresh and {stale} stale tokens compared, all equal; "
+          f"{across} samples with turns on both sides of a swap, each turn compared at its own version")

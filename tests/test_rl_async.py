@@ -245,18 +245,21 @@ def test_bit_wise_metrics_over_mask_only() -> None:
     assert bit_wise_metrics(gen_T, gen_T.clone(), mask_T)[RATIO_TOKENS_DIFFERENT] == 0.0
 
 
-def test_only_whole_samples_of_a_version_are_compared_at_it() -> None:
-    from titan_rl_ext.rl.samples import sampled_by_mask
+def test_only_whole_turns_of_a_version_are_compared_at_it() -> None:
+    from titan_rl_ext.rl.samples import exact_at_mask
 
-    # fresh at 3; straddling 2 -> 3 (its tail is at 3 but sampled over a cache version 2 wrote); stale at 2;
-    # multi-turn at 3 with environment tokens between the turns
-    whole, straddling, old = _sample([3, 3]), _sample([2, 3, 3]), _sample([2, 2])
-    turns = _sample([3, ENV_TOKEN_VERSION, 3])
-    assert (whole.sampled_by, straddling.sampled_by, old.sampled_by, turns.sampled_by) == (3, None, 2, 3)
-    mask = sampled_by_mask([whole, straddling, old, turns], 3)
-    prompt = [False, False]
-    assert mask.tolist() == (prompt + [True, True] + prompt + [False] * 3 + prompt + [False] * 2
-                             + prompt + [True, False, True])
+    E = ENV_TOKEN_VERSION
+    # fresh at 3; a turn a swap split (2 -> 3: its tail is at 3 but sampled over a cache version 2 wrote);
+    # stale at 2; two turns at 3; turns on both sides of a swap (2 | 3); a split second turn after a whole one
+    whole, split, old = _sample([3, 3]), _sample([2, 3, 3]), _sample([2, 2])
+    turns, across, split2 = _sample([3, E, 3]), _sample([2, 2, E, E, 3]), _sample([2, E, 2, 3])
+    assert [s.exact_versions for s in (whole, split, old, turns, across, split2)] == [
+        [3, 3], [None] * 3, [2, 2], [3, None, 3], [2, 2, None, None, 3], [2, None, None, None]]
+    p = [False, False]  # the prompt
+    assert exact_at_mask([whole, split, old, turns, across, split2], 3).tolist() == (
+        p + [True, True] + p + [False] * 3 + p + [False] * 2 + p + [True, False, True] + p + [False] * 4 + [True]
+        + p + [False] * 4)
+    assert exact_at_mask([across, split2], 2).tolist() == p + [True, True, False, False, False] + p + [True] + [False] * 3
 
 
 def test_gap_metrics_named_counted_and_nan_when_empty() -> None:

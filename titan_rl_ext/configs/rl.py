@@ -128,13 +128,15 @@ def rl_search_cpu() -> Any:
 def rl_terminal_cpu() -> Any:
     """A terminal agent on CPU (``envs.terminal``, the toy tasks, each episode in a fresh process sandbox):
     tiny Qwen3.5, 4 tasks x G=4, up to 3 commands, 16 new tokens a turn, off-policy window 4 with every
-    version kept for the exact stale gap, DPPO (binary-TV), batch invariant on both sides, 10 steps. Prompts
+    version kept for the exact stale gap, DPPO (binary-TV), loss chunks of 1024 tokens (the step's ~16
+    samples of a few hundred tokens each in several passes), batch invariant on both sides, 10 steps. Prompts
     end with ``<bash>``: the untrained model's first turn is a command, so every episode is multi-turn."""
     from titan_rl_ext.rl.losses import DPPOLoss
 
     hf_dir = tiny_rl_checkpoint()
     rl = _tiny_rl_config(hf_dir, task="terminal", max_turns=3, open_with_tool=True, max_tokens=16, group_size=4,
-                         offpolicy=4, stale_gap_versions=5, loss=DPPOLoss.Config(), seeded_sampling=False)
+                         offpolicy=4, stale_gap_versions=5, loss=DPPOLoss.Config(), seeded_sampling=False,
+                         loss_chunk_tokens=1024)
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_terminal_cpu"), checkpoint_interval=5)
 

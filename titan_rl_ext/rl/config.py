@@ -59,6 +59,10 @@ class RLConfig:
     """Behaviour policy of the PPO ratio: ``generator`` (the sampling policy's logprobs, correct when
     off-policy) or ``recompute`` (the trainer's no-grad recompute at step start)."""
     normalize_adv_std: bool = True
+    loss_chunk_tokens: int = 0
+    """Forward, loss and backward over at most this many tokens at a time (whole samples; gradients add up,
+    each chunk's loss normalised by the step's global count), so long multi-turn samples fit in activation
+    memory; 0: the rank's samples in one pass. Under BI the logprobs are bit-equal either way."""
     push_every: int = 1
     push_mode: str = "keep"
     weight_transport: str = "safetensors"

@@ -112,12 +112,26 @@ class Sample:
         return max(self.policy_versions, default=None)
 
     @property
-    def sampled_by(self) -> int | None:
-        """The one version that generated every loss token; None when there is none, or when a swap
-        landed mid-sample: the tokens after it were sampled over a KV cache and GDN state that the older
-        weights wrote, so no single set of weights reproduces their logprobs bit for bit."""
-        vs = set(self.policy_versions)
-        return next(iter(vs)) if len(vs) == 1 else None
+    def exact_versions(self) -> list[int | None]:
+        """Per completion token, the weight version whose recompute must give its logprob bit for bit; None
+        for an environment token and for every token of a turn a swap split (its later tokens were sampled
+        over a KV cache and GDN state the older weights wrote). A turn is a run of loss tokens, and each turn
+        is a request of its own whose prompt one version computes whole (the server starts a prompt over when
+        a swap lands in its prefill, and re-salts the prefix cache per version), so the turns on either side
+        of a swap are each exact at their own version."""
+        out: list[int | None] = [None] * len(self.completion_ids)
+        i, n = 0, len(self.completion_ids)
+        while i < n:
+            if not self.loss_mask[i]:
+                i += 1
+                continue
+            j = i
+            while j < n and self.loss_mask[j]:
+                j += 1
+            if len(vs := set(self.token_versions[i:j])) == 1:
+                out[i:j] = [next(iter(vs))] * (j - i)
+            i = j
+        return out
 
 
 @dataclass(slots=True)
@@ -133,13 +147,12 @@ class PackedRollouts:
     group_ids_N: torch.Tensor
 
 
-def sampled_by_mask(samples: Sequence[Sample], version: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[T]`` in ``pack_samples``' layout: the loss tokens of the samples generated wholly by ``version``
-    (the tokens a recompute with that version's weights must match bit for bit)."""
+def exact_at_mask(samples: Sequence[Sample], version: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[T]`` in ``pack_samples``' layout: the tokens whose logprobs a recompute with ``version``'s weights
+    must reproduce bit for bit (``Sample.exact_versions``)."""
     mask: list[bool] = []
     for s in samples:
-        mask += [False] * len(s.prompt_ids) + ([bool(m) for m in s.loss_mask] if s.sampled_by == version
-                                               else [False] * len(s.completion_ids))
+        mask += [False] * len(s.prompt_ids) + [v == version for v in s.exact_versions]
     return torch.tensor(mask, dtype=torch.bool, device=device)
 
 

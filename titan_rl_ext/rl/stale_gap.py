@@ -2,8 +2,8 @@
 
 Async RL trains on samples a few versions old. Their generator logprobs can only be checked bit for bit
 against the weights that produced them, so the trainer keeps the last ``keep`` versions' weights (on the
-CPU) and recomputes, with a second model, every sample whose generated tokens all carry one such version.
-Samples straddling a swap are skipped (their context mixes versions) and counted.
+CPU) and recomputes, with a second model, every turn whose generated tokens all carry one such version.
+Turns a swap split are skipped (their context mixes versions) and counted.
 """
 
 from __future__ import annotations
@@ -27,25 +27,28 @@ class StaleGap:
             del self.history[old]
 
     def metrics(self, samples: list[Any], current: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
-        """Over ``samples`` whose loss tokens all come from one remembered version other than ``current``
-        (call with the step's batch-invariance setting)."""
+        """Over the tokens of ``samples`` exact at a remembered version other than ``current``
+        (``Sample.exact_versions``: a multi-turn sample whose turns a swap separates is compared turn by
+        turn, each at its own version). Call with the step's batch-invariance setting."""
         from titan_rl_ext.models.common.batch import SeqBatch
         from titan_rl_ext.models.hf import load_hf_model
         from titan_rl_ext.rl.logprobs import token_logprobs
         from titan_rl_ext.rl.metrics import gap_metrics
-        from titan_rl_ext.rl.samples import pack_samples
+        from titan_rl_ext.rl.samples import exact_at_mask, pack_samples
 
         by_version: dict[int, list[Any]] = {}
-        skipped = 0
+        skipped = across = 0
         for smp in samples:
-            v = smp.sampled_by
-            if v is not None and v != current:
+            exact = smp.exact_versions
+            if any(v is None and m for v, m in zip(exact, smp.loss_mask)):
+                skipped += 1  # a turn a swap split: its context mixes versions
+            versions = {v for v in exact if v is not None}
+            across += len(versions) > 1  # turns on both sides of a swap, each compared at its own version
+            for v in versions - {current}:
                 if v in self.history:
                     by_version.setdefault(v, []).append(smp)
                 else:
                     skipped += 1
-            elif v is None and smp.num_loss_tokens:
-                skipped += 1  # straddles a swap: its context mixes versions
         gen, ours = [], []
         if by_version:
             if self._scratch is None:
@@ -56,9 +59,11 @@ class StaleGap:
                 packed = pack_samples(group, device=device)
                 with torch.no_grad():
                     lp_T = token_logprobs(self._scratch, packed.tokens_T, SeqBatch.from_lengths(packed.lengths, device=device))
-                gen.append(packed.gen_logprobs_T[packed.loss_mask_T])
-                ours.append(lp_T[packed.loss_mask_T])
+                at_v_T = exact_at_mask(group, v, device=device)
+                gen.append(packed.gen_logprobs_T[at_v_T])
+                ours.append(lp_T[at_v_T])
         out = gap_metrics(torch.cat(gen) if gen else torch.zeros(0), torch.cat(ours) if ours else torch.zeros(0),
                           "bit_wise_stale")
         out["bit_wise_stale/skipped_samples"] = skipped
+        out["bit_wise_stale/samples_across_swaps"] = across
         return out

@@ -9,9 +9,10 @@ One ``train_step`` (torchtitan's ``train()`` drives the loop, the checkpointer a
 1. take ``prompts_per_step`` groups of ``group_size`` rollouts from an ``OffPolicyWindow`` fed by
    producer tasks on a background asyncio thread (``offpolicy=0``: producers only generate with the
    weights being trained, i.e. synchronous on-policy RL; ``offpolicy=k``: at most k versions stale);
-2. pack them, recompute the trainer's logprobs without grad (``bit_wise/*`` metrics against the
-   generator's logprobs: exactly 0 under batch invariance on both sides);
-3. group advantages, loss (DAPO by default), backward, grad clip, optimizer + LR scheduler step;
+2. group advantages; forward, loss (DAPO by default) and backward, in loss chunks of whole samples
+   (``rl/loss_chunks.py``); the forward's detached logprobs are the trainer's recompute for the
+   ``bit_wise/*`` metrics against the generator's logprobs (exactly 0 under batch invariance on both sides);
+3. grad clip, optimizer + LR scheduler step;
 4. push the full titan state dict to every generator (``WeightPusher``) every ``push_every`` steps
    (and at the last step), bump the version, log metrics (``RUN_DIR/metrics.jsonl``, per-sample
    token versions in ``RUN_DIR/rollouts.jsonl``, and torchtitan's metrics processor).
@@ -135,6 +136,8 @@ class RLTrainer(Trainer):
             raise ValueError(f"rl.old_logprobs must be 'generator' or 'recompute', got {rl.old_logprobs!r}")
         if not rl.generator_urls and not rl.spawn_server:
             raise ValueError("give rl.generator_urls or set rl.spawn_server")
+        if rl.loss_chunk_tokens < 0:
+            raise ValueError(f"rl.loss_chunk_tokens must be >= 0 (0: one pass), got {rl.loss_chunk_tokens}")
         super().__init__(config)
         self.rl_version = 0
         self.prompt_cursor = PromptCursor()
@@ -346,9 +349,9 @@ class RLTrainer(Trainer):
         t = [time.perf_counter()]
         ro = self._take_rollouts()
         t.append(time.perf_counter())
-        packed, seqs, lp_new_T = self._forward(ro.mine)
-        bw = self._parity_metrics(ro, packed, lp_new_T.detach())
-        loss, lmetrics, grad_norm, lr_metrics = self._optimize(ro, packed, seqs, lp_new_T)
+        packed, lp_re_T, loss, lmetrics = self._forward_backward(ro)
+        bw = self._parity_metrics(ro, packed, lp_re_T)
+        grad_norm, lr_metrics = self._optimizer_step(ro)
         t.append(time.perf_counter())
         swap_s = self._push_and_publish()
         t.append(time.perf_counter())
@@ -373,29 +376,16 @@ class RLTrainer(Trainer):
             raise ValueError(f"prompts_per_step={len(groups)} leaves rank {self.rank} without groups")
         return _Rollouts(groups, staleness, dropped, mixed, cursor, mine)
 
-    def _forward(self, mine: list[Any]) -> tuple[Any, Any, torch.Tensor]:
-        """2. Pack; the one forward of the step (with grad). Its detached logprobs are the trainer's
-        recompute for the parity metrics and the optional behaviour policy (in BI mode a second, no-grad
-        forward would give the same bits)."""
-        from titan_rl_ext.models.common.batch import SeqBatch
-        from titan_rl_ext.rl.logprobs import token_logprobs
-        from titan_rl_ext.rl.samples import pack_samples
-
-        packed = pack_samples(mine, device=self.device)
-        seqs = SeqBatch.from_lengths(packed.lengths, device=self.device)
-        self.optimizers.zero_grad(set_to_none=True)
-        return packed, seqs, token_logprobs(self.model_parts[0], packed.tokens_T, seqs)
-
     def _parity_metrics(self, ro: _Rollouts, packed: Any, lp_re_T: torch.Tensor) -> dict[str, float]:
         """``bit_wise/*`` over tokens sampled with the weights being trained (older tokens differ because
         the policy moved), ``bit_wise_all/*`` over every loss token, ``bit_wise_stale/*`` (rank 0) over
         older versions recomputed with their own weights. Every rank's tokens count."""
         from titan_rl_ext.rl.metrics import bit_wise_metrics, gap_metrics
-        from titan_rl_ext.rl.samples import sampled_by_mask
+        from titan_rl_ext.rl.samples import exact_at_mask
 
-        # whole samples only: the tail of one that straddles a swap is at this version but was sampled
-        # over a cache the older weights wrote (seen under CI load: a 4e-4 "fresh" gap)
-        fresh_T = sampled_by_mask(ro.mine, self.rl_version, device=self.device)
+        # whole turns only: the tail of a turn a swap split is at this version but was sampled over a cache
+        # the older weights wrote (seen under CI load: a 4e-4 "fresh" gap)
+        fresh_T = exact_at_mask(ro.mine, self.rl_version, device=self.device)
         # gather the (few thousand) compared logprobs before reducing
         gen_f, re_f = self._gather_cat(packed.gen_logprobs_T[fresh_T]), self._gather_cat(lp_re_T[fresh_T])
         gen_a = self._gather_cat(packed.gen_logprobs_T[packed.loss_mask_T])
@@ -409,29 +399,37 @@ class RLTrainer(Trainer):
                                           self.device))
         return bw
 
-    def _optimize(self, ro: _Rollouts, packed: Any, seqs: Any,
-                  lp_new_T: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor, dict[str, Any]]:
-        """3. Advantages (over whole groups: a rank holds complete groups), loss, backward, clip, optimizer
-        and LR step; the weights become the next version."""
-        from titan_rl_ext.rl.advantages import broadcast_to_tokens, group_advantages
+    def _forward_backward(self, ro: _Rollouts) -> tuple[Any, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """2. Advantages (over whole groups: a rank holds complete groups), then forward, loss and backward
+        per loss chunk (``rl.loss_chunk_tokens``, ``rl/loss_chunks.py``). Returns the step's packed samples, the
+        trainer's detached logprobs over them (its recompute for the parity metrics), the loss and its
+        metrics."""
+        from titan_rl_ext.rl.advantages import group_advantages
+        from titan_rl_ext.rl.loss_chunks import forward_backward
+        from titan_rl_ext.rl.samples import pack_samples
 
         rl = self.config.rl
+        packed = pack_samples(ro.mine, device=self.device)
         adv_N = group_advantages(packed.rewards_N, group_ids_N=packed.group_ids_N, normalize_std=rl.normalize_adv_std)
-        adv_T = broadcast_to_tokens(adv_N, lengths=packed.lengths, mask_T=packed.loss_mask_T)
-        lp_old_T = packed.gen_logprobs_T if rl.old_logprobs == "generator" else lp_new_T.detach()
-        local_tokens = packed.loss_mask_T.sum()
-        global_tokens = local_tokens
-        if self.world > 1:
-            global_tokens = local_tokens.clone()
-            torch.distributed.all_reduce(global_tokens)
-        kwargs: dict[str, Any] = {"cu_seqlens": seqs.cu_seqlens, "lp_gen_T": packed.gen_logprobs_T}
+        norm: dict[str, Any] = {}
         if self.rl_loss.config.aggregation == "token_mean":
-            kwargs["num_global_valid_tokens"] = global_tokens
+            global_tokens = packed.loss_mask_T.sum()
+            if self.world > 1:
+                torch.distributed.all_reduce(global_tokens)
+            norm["num_global_valid_tokens"] = global_tokens
         elif self.world > 1:
-            kwargs["num_global_seqs"] = len(ro.all_samples)
-        loss, lmetrics = self.rl_loss(lp_new_T, lp_old_T, adv_T, packed.loss_mask_T, **kwargs)
+            norm["num_global_seqs"] = len(ro.all_samples)
+        else:  # one rank: the samples with loss tokens, as a one-pass seq_mean counts them
+            norm["num_global_seqs"] = max(1, sum(s.num_loss_tokens > 0 for s in ro.mine))
+        self.optimizers.zero_grad(set_to_none=True)
         # partial sums over ranks; FSDP averages gradients, so scale back to a sum
-        (loss * self.world).backward()
+        lp_T, loss, metrics = forward_backward(self.model_parts[0], ro.mine, adv_N, self.rl_loss, norm,
+                                               rl.loss_chunk_tokens, rl.old_logprobs, grad_scale=self.world,
+                                               device=self.device)
+        return packed, lp_T, loss, metrics
+
+    def _optimizer_step(self, ro: _Rollouts) -> tuple[torch.Tensor, dict[str, Any]]:
+        """3. Clip, optimizer and LR step; the weights become the next version."""
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled,
@@ -442,7 +440,7 @@ class RLTrainer(Trainer):
         self.lr_schedulers.step()
         self.rl_version += 1
         self.prompt_cursor = ro.cursor
-        return loss, lmetrics, grad_norm, lr_metrics
+        return grad_norm, lr_metrics
 
     def _push_and_publish(self) -> float:
         """4. Every ``push_every`` steps (and at the last): push the new weights, switch the generators' BI

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -29,8 +30,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """Returns a ``transformers.PreTrainedTokenizerFast``; len(tokenizer) <= vocab_size."""
+def build_tokenizer(vocab_size: int = 512, extra_special: Sequence[str] = ()):
+    """Returns a ``transformers.PreTrainedTokenizerFast``; len(tokenizer) <= vocab_size. ``extra_special``:
+    more special tokens, ids right after the chat ones (the merges shrink to make room)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,7 +41,7 @@ def build_tokenizer(vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -48,14 +50,30 @@ def build_tokenizer(vocab_size: int = 512):
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *extra_special],
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def save_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
+def save_tokenizer(out_dir: str | Path, vocab_size: int = 512, extra_special: Sequence[str] = ()) -> int:
     """Writes tokenizer files into ``out_dir``; returns the number of tokens."""
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size, extra_special)
     tok.save_pretrained(str(out_dir))
     return len(tok)
+
+
+QWEN3_TOOL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def add_qwen3_tool_tokens(model_dir: str | Path) -> list[int]:
+    """Rebuild a tiny checkpoint's tokenizer with Qwen3's think/tool special tokens too (within the model's
+    embedding rows; the weights do not depend on the tokenizer), for chat renderers that look them up
+    (verifiers' Qwen3 renderer). Returns their ids."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    save_tokenizer(model_dir, cfg.get("text_config", cfg)["vocab_size"], QWEN3_TOOL_TOKENS)
+    return AutoTokenizer.from_pretrained(str(model_dir)).convert_tokens_to_ids(QWEN3_TOOL_TOKENS)

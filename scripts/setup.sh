@@ -10,7 +10,25 @@ py="$venv/bin/python"
 stamp="$venv/.titan-setup-stamp"
 want="$(cat scripts/setup.sh scripts/patch_torchvision.py pyproject.toml | sha256sum | cut -d' ' -f1)"
 
+# verifiers 0.4 (agents: environments as a rollout source) in a virtualenv of its own: it pins openai<3 and
+# mcp==2.0.0, which would downgrade vLLM's; its runner talks to the trainer over loopback
+# (titan_rl_ext/rl/envs/verifiers_source.py) and needs neither torch nor this package.
+vf_venv="$root/.venv-verifiers"
+vf_want="verifiers==0.4.0"
+setup_verifiers() {
+    if [[ -f "$vf_venv/.titan-setup-stamp" && "$(cat "$vf_venv/.titan-setup-stamp")" == "$vf_want" ]] \
+        && "$vf_venv/bin/python" -c "import verifiers.v1" 2>/dev/null; then
+        return 0
+    fi
+    echo "[setup] creating $vf_venv ($vf_want)" >&2
+    [[ -x "$vf_venv/bin/python" ]] || python3 -m venv "$vf_venv"
+    "$vf_venv/bin/python" -m pip install -q --disable-pip-version-check "$vf_want"
+    "$vf_venv/bin/python" -c "import verifiers.v1" >&2
+    echo "$vf_want" > "$vf_venv/.titan-setup-stamp"
+}
+
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$py" -c "import torch, vllm, torchtitan, titan_rl_ext" 2>/dev/null; then
+    setup_verifiers
     exit 0
 fi
 
@@ -31,3 +49,4 @@ pip=("$py" -m pip install -q --disable-pip-version-check)
 if "$py" -c "import fla" 2>/dev/null; then "$py" -m pip uninstall -y -q flash-linear-attention fla-core; fi
 "$py" -c "import torch, vllm, torchvision, torchtitan, transformers, titan_rl_ext; print('[setup] ok: torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)" >&2
 echo "$want" > "$stamp"
+setup_verifiers

@@ -1,5 +1,6 @@
 """The RL loop on multi-turn agent tasks against the real CPU vLLM server (issue 24): the search recipe
-(``rl_search_cpu``) and the terminal recipe (``rl_terminal_cpu``, a process sandbox per episode) train with
+(``rl_search_cpu``), the terminal recipe (``rl_terminal_cpu``, a process sandbox per episode) and a verifiers
+taskset (``rl_verifiers_cpu``, episodes run by verifiers in its own virtualenv) train with
 BI on both sides, every episode has environment tokens (retrieved passages, command output) between its
 turns, and the trainer's recomputed logprobs equal the generator's bit for bit -- fresh tokens at step 1
 and stale ones (sampled by older weights, recomputed with those) at every step."""
@@ -22,10 +23,15 @@ if importlib.util.find_spec("bm25s") is None:
     pytest.skip("bm25s absent: the 'agents' extra (scripts/setup.sh installs it)", allow_module_level=True)
 
 
-@pytest.mark.parametrize("recipe", ["rl_search_cpu", "rl_terminal_cpu"])
+@pytest.mark.parametrize("recipe", ["rl_search_cpu", "rl_terminal_cpu", "rl_verifiers_cpu"])
 def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str) -> None:
     from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION
 
+    if recipe == "rl_verifiers_cpu":
+        from titan_rl_ext.rl.envs.verifiers_source import default_python
+
+        if subprocess.run([default_python(), "-c", "import verifiers.v1"], capture_output=True).returncode:
+            pytest.skip("no Python with verifiers 0.4 (scripts/setup.sh makes .venv-verifiers)")
     if recipe == "rl_terminal_cpu":
         from titan_rl_ext.rl.envs.sandbox import network_isolation_problem
 
@@ -47,13 +53,17 @@ def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str)
         samples = [s for g in roll["groups"] for s in g["samples"]]
         for s in samples:
             versions = s["token_versions"]
-            # the first turn is a tool call (the prompt opens the tag); its result comes back without loss
+            # the first turn is a tool call (the prompt opens the tag), or verifiers' follow-up user turns: the
+            # environment's tokens come back without loss
             assert ENV_TOKEN_VERSION in versions, s
             env_tokens += versions.count(ENV_TOKEN_VERSION)
         for k, n in (("bit_wise/logprob_diff/max", "bit_wise/num_tokens"),
                      ("bit_wise_stale/logprob_diff/max", "bit_wise_stale/num_tokens")):
             assert (rec[k] == 0.0) if rec[n] > 0 else (rec[k] != rec[k]), (k, rec[k], n, rec[n])
         stale += rec["bit_wise_stale/num_tokens"]
+        if recipe == "rl_verifiers_cpu":  # every branch was the generator's tokens, one branch per episode
+            assert rec["verifiers/refused_branches_total"] == 0 and rec["verifiers/forked_traces_total"] == 0, rec
+            assert rec["verifiers/failed_episodes_total"] == 0, rec
         across += rec["bit_wise_stale/samples_across_swaps"]
     print(f"\n{recipe}: {env_tokens} environment tokens in the samples, "
           f"{sum(x['bit_wise/num_tokens'] for x in recs)} fresh and {stale} stale tokens compared, all equal; "

@@ -18,13 +18,19 @@ from typing import Any
 from titan_rl_ext.configs import TINY_DATASET, cache_dir, register_tiny_dataset
 
 
-def tiny_rl_checkpoint() -> str:
-    """The tiny Qwen3.5 (VLM layout) checkpoint the CPU RL demo starts from (built once, cached)."""
+def tiny_rl_checkpoint(tool_tokens: bool = False) -> str:
+    """The tiny Qwen3.5 (VLM layout) checkpoint the CPU RL demo starts from (built once, cached).
+    ``tool_tokens``: a text-layout one whose tokenizer also has Qwen3's think/tool special tokens, for
+    verifiers' Qwen3 renderer (the VLM layout's tokenizer class defaults its unknown token to one the
+    renderer needs)."""
     from titan_rl_ext.tools.make_tiny import make_tiny
+    from titan_rl_ext.tools.tiny_tokenizer import add_qwen3_tool_tokens
 
-    d = cache_dir() / "rl_tiny_qwen3_5"
+    d = cache_dir() / ("rl_tiny_qwen3_5_tools" if tool_tokens else "rl_tiny_qwen3_5")
     if not (d / "config.json").exists() or not list(d.glob("*.safetensors")):
-        make_tiny("qwen3_5", d, seed=0, layout="vlm")
+        make_tiny("qwen3_5", d, seed=0, layout="text" if tool_tokens else "vlm")
+        if tool_tokens:
+            add_qwen3_tool_tokens(d)
     return str(d)
 
 
@@ -139,6 +145,23 @@ def rl_terminal_cpu() -> Any:
                          loss_chunk_tokens=1024)
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_terminal_cpu"), checkpoint_interval=5)
+
+
+def rl_verifiers_cpu() -> Any:
+    """A ``verifiers`` taskset as the rollout source on CPU (``envs.verifiers_source``; the toy
+    ``titan_dialog``: a prompt and two scripted user follow-ups, so every episode has three model turns):
+    tiny Qwen3.5 with Qwen3's chat tokens, verifiers' Qwen3 renderer bridging every turn onto the sampled
+    ids, 4 tasks x G=4, 12 new tokens a turn, off-policy window 2 with every version kept for the exact
+    stale gap, DPPO (binary-TV), batch invariant on both sides, 10 steps. verifiers runs in
+    ``.venv-verifiers`` (``scripts/setup.sh``) or ``--rl.verifiers-python``."""
+    from titan_rl_ext.rl.losses import DPPOLoss
+
+    hf_dir = tiny_rl_checkpoint(tool_tokens=True)
+    rl = _tiny_rl_config(hf_dir, task="verifiers", verifiers_taskset="titan_dialog", max_tokens=12, group_size=4,
+                         offpolicy=2, stale_gap_versions=3, loss=DPPOLoss.Config(), seeded_sampling=False,
+                         server_args=["--dtype", "float32", "--max-model-len", "1024", "--seed", "0"])
+    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
+                       dump=str(cache_dir() / "outputs" / "rl_verifiers_cpu"), checkpoint_interval=5)
 
 
 def qwen3_5_9b_dapo_math() -> Any:

@@ -30,7 +30,20 @@ class RLConfig:
     """``model`` field of completion requests; default: ``model_dir``."""
     task: str = "synthetic_sum"
     """``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed answers, e.g. DAPO-Math-17k) |
-    ``search`` (multi-turn retrieval, ``envs.search``) | ``terminal`` (a bash agent in a sandbox, ``envs.terminal``)."""
+    ``search`` (multi-turn retrieval, ``envs.search``) | ``terminal`` (a bash agent in a sandbox, ``envs.terminal``) |
+    ``verifiers`` (a ``verifiers`` 0.4 taskset, ``envs.verifiers_source``)."""
+    verifiers_taskset: str = "titan_dialog"
+    """``verifiers``: the taskset id (an importable module: verifiers' own, a user's, or the toy ``titan_dialog``)."""
+    verifiers_taskset_args: str = "{}"
+    """``verifiers``: JSON, more fields of the taskset's config."""
+    verifiers_harness: str = "titan_chat"
+    """``verifiers``: the harness id; ``titan_chat`` runs the chat loop in the runner's process."""
+    verifiers_renderer: str = "qwen3"
+    """``verifiers``: the renderer matching the model's chat format (one that bridges turns, or every turn is
+    re-rendered and its trace forks: counted in ``verifiers/forked_traces``)."""
+    verifiers_python: str = ""
+    """``verifiers``: the Python that has verifiers (empty: ``TITAN_VERIFIERS_PYTHON``, else the repo's
+    ``.venv-verifiers``, else this one)."""
     dataset_path: str = ""
     """``math``: local parquet/jsonl; empty = env ``DAPO_MATH_PATH``, else the hub dataset ``dataset_hub_id``.
     ``search``: the questions JSONL; ``terminal``: the folder of task folders; empty = the shipped toy set."""

@@ -68,7 +68,7 @@ def _math_item(row: dict[str, Any], tokenizer: Any) -> MathItem:
     return MathItem(str(prompt), str(answer))
 
 
-def load_prompts(rl: RLConfig, tokenizer: Any, start: int = 0) -> Iterator[Any]:
+def load_prompts(rl: RLConfig, tokenizer: Any, start: int = 0, num_tasks: int | None = None) -> Iterator[Any]:
     """An endless, seeded stream of task items (``prompt``, ``answer``), from item ``start`` on: a
     resumed run seeks to its checkpointed position without materialising the items before it."""
     if start < 0:
@@ -82,7 +82,11 @@ def load_prompts(rl: RLConfig, tokenizer: Any, start: int = 0) -> Iterator[Any]:
         return (_math_item(r, tokenizer) for r in _epochs(rows, rl.seed, start))
     if rl.task in AGENT_TASKS:
         return _epochs(_agent_items(rl.task, rl.dataset_path), rl.seed, start)
-    raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math | search | terminal")
+    if rl.task == "verifiers":
+        if num_tasks is None:
+            raise ValueError("task='verifiers': the taskset's size comes from its runner (num_tasks)")
+        return _epochs(list(range(num_tasks)), rl.seed, start)  # items are task indices
+    raise ValueError(f"unknown task {rl.task!r}: synthetic_sum | synthetic_copy | math | search | terminal | verifiers")
 
 
 AGENT_TASKS = ("search", "terminal")
@@ -184,6 +188,8 @@ def load_eval_items(rl: RLConfig, tokenizer: Any) -> list[Any]:
         return [_math_item(r, tokenizer) for r in _math_rows(rl.eval_path, "")[: rl.eval_items]]
     if rl.task in AGENT_TASKS:  # eval_path: another questions file / tasks folder than the training set
         return _agent_items(rl.task, rl.eval_path or rl.dataset_path)[: rl.eval_items]
+    if rl.task == "verifiers":
+        raise ValueError("task='verifiers' has no held-out set here: evaluate with verifiers' own eval (eval_every=0)")
     raise ValueError(f"unknown task {rl.task!r}")
 
 
@@ -204,6 +210,8 @@ def env_factory(rl: RLConfig, tokenizer: Any) -> tuple[Any, tuple[str, ...]]:
 
         return (functools.partial(TerminalEnv, tokenizer, max_turns=rl.max_turns, open_with_command=rl.open_with_tool),
                 TerminalEnv.STOP)
+    if rl.task == "verifiers":
+        return None, ()  # verifiers' harness runs the episode (rollout_service)
     from titan_rl_ext.rl.envs import SingleTurnEnv
 
     return functools.partial(SingleTurnEnv, tokenizer, scorer(rl.task)), ()

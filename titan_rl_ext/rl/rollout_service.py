@@ -4,6 +4,7 @@ the generator fleet, and the trainer's synchronous view of it (take a batch, pub
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import threading
 from typing import Any
@@ -33,26 +34,42 @@ class RolloutService:
         if stop:  # a tool call's closing tag ends the turn
             extra["stop"] = list(stop)
         self.sampling = SamplingConfig(temperature=rl.temperature, top_p=rl.top_p, max_tokens=rl.max_tokens, extra=extra)
-        self.ledger = PromptLedger(load_prompts(rl, tokenizer, start=cursor.next), cursor)
         self.initial_version = initial_version
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="rl-rollouts", daemon=True)
         self.thread.start()
+        self._call(self._connect())
+        # verifiers: the taskset's size is known once its runner is up
+        num_tasks = self.verifiers.num_tasks if self.verifiers is not None else None
+        self.ledger = PromptLedger(load_prompts(rl, tokenizer, start=cursor.next, num_tasks=num_tasks), cursor)
         self._call(self._setup())
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    async def _connect(self) -> None:
+        """The generator clients, and for ``task='verifiers'`` its runner with the shim in front of them."""
+        from titan_rl_ext.rl.fleet import FleetClient
+        from titan_rl_ext.rl.generator_client import GeneratorClient
+
+        self.client = FleetClient(self.fleet, {u: GeneratorClient(u, self.model_name) for u in self.urls})
+        self.verifiers: Any = None
+        if self.rl.task == "verifiers":
+            from titan_rl_ext.rl.envs.verifiers_source import VerifiersSource, default_python
+
+            rl = self.rl
+            self.verifiers = VerifiersSource(
+                self.client, taskset=rl.verifiers_taskset, harness=rl.verifiers_harness, model=self.model_name,
+                tokenizer_dir=rl.model_dir, renderer=rl.verifiers_renderer, python=rl.verifiers_python or default_python(),
+                taskset_args=json.loads(rl.verifiers_taskset_args or "{}"))
+            await self.verifiers.start()
+
     async def _setup(self) -> None:
         from titan_rl_ext.rl.async_loop import OffPolicyWindow
-        from titan_rl_ext.rl.generator_client import GeneratorClient
 
         # a stale group's prompt is done for good: the uninterrupted run would not retry it either
         self.window = OffPolicyWindow(self.rl.offpolicy, self.rl.prompts_per_step, initial_version=self.initial_version,
                                       on_drop=lambda g: self.ledger.close(g.key))
-        from titan_rl_ext.rl.fleet import FleetClient
-
-        self.client = FleetClient(self.fleet, {u: GeneratorClient(u, self.model_name) for u in self.urls})
         self.producers = [asyncio.ensure_future(self._produce(i)) for i in range(max(1, self.rl.num_producers))]
 
     async def _produce(self, i: int) -> None:
@@ -67,9 +84,12 @@ class RolloutService:
                 # drawn right after admission (no await in between), so with offpolicy=0 a step's groups
                 # are exactly the next prompts_per_step prompts of the stream
                 index, prompt = self.ledger.draw()
-                seeds = [sample_seed(self.rl.seed, index, j) for j in range(G)] if self.rl.seeded_sampling else None
-                group = await rollout_group(client, self.make_env, prompt, G, self.sampling, group_id=index,
-                                            max_turns=self.rl.max_turns, seeds=seeds)
+                if self.verifiers is not None:  # verifiers' harness runs the episodes; seeds are not passed through
+                    group = await self.verifiers.group(prompt, G, self.sampling, group_id=index)
+                else:
+                    seeds = [sample_seed(self.rl.seed, index, j) for j in range(G)] if self.rl.seeded_sampling else None
+                    group = await rollout_group(client, self.make_env, prompt, G, self.sampling, group_id=index,
+                                                max_turns=self.rl.max_turns, seeds=seeds)
             except BaseException:
                 self.window.cancel(ticket)
                 raise
@@ -129,9 +149,15 @@ class RolloutService:
     def stats(self) -> dict[str, float]:
         async def get() -> dict[str, float]:
             w = self.window
-            return {"rollout/dropped_stale_total": w.dropped_stale_total, "rollout/buffered": w.buffered,
+            out = {"rollout/dropped_stale_total": w.dropped_stale_total, "rollout/buffered": w.buffered,
                     "rollout/in_flight": w.in_flight, "rollout/producer_wait_s_total": w.producer_wait_s,
                     "fleet/refused_samples_total": float(self.fleet.refused)}
+            if self.verifiers is not None:
+                vs = self.verifiers.stats
+                out.update({"verifiers/episodes_total": vs.episodes, "verifiers/failed_episodes_total": vs.failed_episodes,
+                            "verifiers/forked_traces_total": vs.forked_traces,
+                            "verifiers/refused_branches_total": vs.refused_branches})
+            return out
 
         return self._call(get())
 
@@ -140,6 +166,8 @@ class RolloutService:
             for p in self.producers:
                 p.cancel()
             await asyncio.gather(*self.producers, return_exceptions=True)
+            if self.verifiers is not None:
+                await self.verifiers.close()
             for c in self.client.clients.values():
                 await c.aclose()
 

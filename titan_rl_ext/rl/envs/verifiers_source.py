@@ -34,6 +34,15 @@ PLUGINS_DIR = Path(__file__).resolve().parent / "verifiers_plugins"
 RUNNER = Path(__file__).resolve().parent / "verifiers_runner.py"
 
 
+def default_python() -> str:
+    """The Python that runs verifiers: ``TITAN_VERIFIERS_PYTHON``, else the repo's ``.venv-verifiers`` (made by
+    ``scripts/setup.sh``) when present, else this interpreter (verifiers installed alongside)."""
+    if env := os.environ.get("TITAN_VERIFIERS_PYTHON"):
+        return env
+    repo_venv = Path(__file__).resolve().parents[3] / ".venv-verifiers" / "bin" / "python"
+    return str(repo_venv) if repo_venv.exists() else sys.executable
+
+
 @dataclass(slots=True)
 class Call:
     prompt_ids: list[int]
@@ -161,7 +170,7 @@ class VerifiersSource:
                  taskset_args: dict[str, Any] | None = None, harness_args: dict[str, Any] | None = None,
                  max_model_len: int | None = None, max_concurrent: int = 64, start_timeout_s: float = 120.0) -> None:
         self.shim = GenerateShim(generator, model, max_model_len)
-        self.python = python or os.environ.get("TITAN_VERIFIERS_PYTHON") or sys.executable
+        self.python = python or default_python()
         self.args = dict(taskset=taskset, harness=harness, model=model, tokenizer=tokenizer_dir, renderer=renderer,
                          taskset_args=json.dumps(taskset_args or {}), harness_args=json.dumps(harness_args or {}),
                          max_concurrent=str(max_concurrent))

@@ -1,6 +1,7 @@
 """The CUDA fused kernels of the layers -- ``kernels.rows_triton`` (RMSNorm both flavours, gated RMSNorm,
 l2norm, SwiGLU, the GDN gates) and ``kernels.conv_triton`` (causal conv with state) -- run on CPU under the Triton
-interpreter and checked against their plain-PyTorch references (``kernels.rows``, ``kernels.conv``).
+interpreter and checked against their plain-PyTorch references (``kernels.rows``, ``kernels.conv``); and the fp32 head's
+backward kernel (``kernels.lm_head_triton``) against ``lm_head.head_grad_reference``.
 
 What must hold exactly (``torch.equal``): a row's / token's bits do not depend on which other rows or
 sequences share the launch (batch invariance), on a strided view vs a contiguous copy of the input, or on a
@@ -196,9 +197,34 @@ def _check_conv() -> None:
         assert torch.equal(yd, yfull[-1:]) and torch.equal(fd, ffull)
 
 
+def _check_head_grad() -> None:
+    """The fp32 head's backward pass over the kept log-softmax (``lm_head_triton.head_grad``) against its
+    torch reference: fp32 out to fp32 rounding (``exp``'s last ulp), bf16 out to ``_close``'s bf16 bound."""
+    import torch
+
+    from titan_rl_ext.kernels.lm_head import head_grad_reference
+    from titan_rl_ext.kernels.lm_head_triton import BLOCK_V, head_grad
+
+    g = torch.Generator().manual_seed(4)
+    T, V = 5, BLOCK_V + 301  # a full vocabulary tile and a ragged one
+    lp = (torch.randn(T, V + 7, generator=g) * 3).log_softmax(-1)[:, :V]  # rows strided, as a chunk view is
+    gt = torch.randn(T, generator=g)
+    tgt = torch.randint(0, V, (T,), generator=g)
+    tgt[1] = V - 1  # the target in the ragged tile
+    for dtype in (torch.float32, torch.bfloat16):
+        got = head_grad(lp, gt, tgt, dtype)
+        _close(got, head_grad_reference(lp.clone(), gt, tgt, dtype))
+    try:
+        head_grad(lp.double(), gt, tgt, torch.float32)
+    except ValueError as e:
+        assert "fp32" in str(e)
+    else:
+        raise AssertionError("a float64 lp must be refused")
+
+
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    for check in (_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv):
+    for check in (_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_head_grad):
         t0 = time.time()
         check()
         print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")

@@ -32,19 +32,27 @@ def test_fused_logprobs_equal_full_log_softmax_in_bi_mode(monkeypatch: pytest.Mo
     assert lp.dtype == torch.float32 and torch.equal(lp, full)
 
 
-def test_fused_logprobs_backward_matches_autograd_of_the_full_head(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kept_chunks", [0, 2, 6])  # recompute every chunk's logits / the first two kept / all kept
+def test_fused_logprobs_backward_matches_autograd_of_the_full_head(monkeypatch: pytest.MonkeyPatch, kept_chunks: int) -> None:
     h, w, tgt = _inputs(seed=1)
-    monkeypatch.setattr(lm_head, "CHUNK_BYTES", 8 * 4 * w.shape[0])
+    monkeypatch.setattr(lm_head, "CHUNK_BYTES", 8 * 4 * w.shape[0])  # 45 rows: 6 chunks of 8 rows, the last ragged
+    monkeypatch.setattr(lm_head, "SAVE_BYTES", kept_chunks * 8 * 4 * w.shape[0])
     g_T = torch.randn(h.shape[0], generator=torch.Generator().manual_seed(2))
     g_T[3] = 0.0  # an unused row (a sequence's last token) contributes nothing
     grads = []
+    real_linear = torch.nn.functional.linear
     for fused in (True, False):
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         if fused:
             lp = lm_head.token_logprobs_fused(hh, ww, tgt)
         else:
             lp = (hh @ ww.t()).log_softmax(-1).gather(1, tgt[:, None]).squeeze(1)
+        gemms: list[int] = []
+        if fused:  # the logits GEMMs the backward runs: one per chunk it did not keep
+            monkeypatch.setattr(lm_head.F, "linear", lambda *a, **k: gemms.append(1) or real_linear(*a, **k))
         (lp * g_T).sum().backward()
+        monkeypatch.setattr(lm_head.F, "linear", real_linear)
+        assert len(gemms) == (6 - kept_chunks if fused else 0)
         grads.append((hh.grad, ww.grad))
     # fp32 on both sides, reductions over V=97 / T=45 terms of size O(1): 1e-5 covers fp32 rounding
     torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)

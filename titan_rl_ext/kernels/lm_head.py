@@ -10,14 +10,20 @@ are widened to fp32 as before.
 
 ``token_logprobs_fused`` returns ``log_softmax(h @ W^T)[t, target_t]`` for every row, computed over
 row chunks of at most ``CHUNK_BYTES`` of fp32 logits, with the same ``log_softmax`` call vLLM's sampler
-makes on the generator's logits (row by row, so chunking does not change a row's bits). Its backward
-recomputes each chunk's logits, forms ``g * (onehot - softmax)`` and runs dgrad/wgrad as 16-bit GEMMs
-with fp32 accumulation (cuBLAS; gradients need not be batch invariant);
+makes on the generator's logits (row by row, so chunking does not change a row's bits). Those forward bits
+pin the forward to materialising the fp32 logits and their log-softmax (a tiled online softmax would round
+differently from the sampler's). So the backward reuses what the forward already wrote: the log-softmax
+chunks are kept (up to ``SAVE_BYTES``, ``TITAN_HEAD_SAVE_GB``) and the backward forms ``g * (onehot -
+exp(lp))`` from them in one pass (``lm_head_triton`` on CUDA), with no second logits GEMM: 2 of the 3
+head GEMMs of a step instead of 3 of 4. Chunks past the budget recompute their logits as before. dgrad
+and wgrad are 16-bit GEMMs with fp32 accumulation (cuBLAS; gradients need not be batch invariant);
 ``tests/gpu/test_bi_kernels_cuda.py::test_fused_head_bits_and_gradient_error`` measures the gradient error
 against float64.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,8 @@ import torch.nn.functional as F
 from titan_rl_ext.kernels import batch_invariant as bi
 
 CHUNK_BYTES = 4 << 30  # fp32 logits per chunk (and as much again for its log-softmax)
+SAVE_BYTES = int(float(os.environ.get("TITAN_HEAD_SAVE_GB", "8")) * (1 << 30))
+"""fp32 log-softmax the forward keeps for the backward (per call); 0: always recompute the logits."""
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -57,23 +65,47 @@ def chunk_rows(V: int) -> int:
     return max(1, CHUNK_BYTES // (4 * max(V, 1)))
 
 
+def head_grad_reference(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``g * (onehot(tgt) - exp(lp))`` in ``out_dtype``, reusing ``lp``'s memory (it is consumed)."""
+    grad = lp_TV.exp_()
+    grad.mul_(-g_T[:, None])
+    grad.scatter_add_(1, tgt_T[:, None], g_T[:, None])
+    return grad if out_dtype == grad.dtype else grad.to(out_dtype)
+
+
+def _head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if lp_TV.is_cuda:
+        try:
+            from titan_rl_ext.kernels.lm_head_triton import head_grad
+        except ImportError:  # no triton
+            return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype)
+        return head_grad(lp_TV, g_T, tgt_T, out_dtype)
+    return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TD, w_VD, targets_T):  # type: ignore[no-untyped-def]
         T, V = h_TD.shape[0], w_VD.shape[0]
         out = torch.empty(T, dtype=torch.float32, device=h_TD.device)
         step = chunk_rows(V)
+        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        kept: list[torch.Tensor] = []  # the first chunks' log-softmax, within SAVE_BYTES
         for r0 in range(0, T, step):
             r1 = min(T, r0 + step)
             lp = head_logits_fp32(h_TD[r0:r1], w_VD).log_softmax(dim=-1, dtype=torch.float32)
             out[r0:r1] = lp.gather(1, targets_T[r0:r1, None]).squeeze(1)
+            if keep and (len(kept) + 1) * step * V * 4 <= SAVE_BYTES and len(kept) * step == r0:
+                kept.append(lp)
             del lp
         ctx.save_for_backward(h_TD, w_VD, targets_T)
+        ctx.kept_lp = kept
         return out
 
     @staticmethod
     def backward(ctx, g_T):  # type: ignore[no-untyped-def]
         h, w, tgt = ctx.saved_tensors
+        kept, ctx.kept_lp = ctx.kept_lp, []
         T, V = h.shape[0], w.shape[0]
         low = _low_precision_cuda(h, w)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -81,27 +113,28 @@ class _TokenLogprobs(torch.autograd.Function):
         dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         g_T = g_T.float()
         step = chunk_rows(V)
-        for r0 in range(0, T, step):
+        for i, r0 in enumerate(range(0, T, step)):
             r1 = min(T, r0 + step)
             h_c, g_c = h[r0:r1], g_T[r0:r1]
-            logits = _mm_fp32_out(h_c, w.t()) if low else F.linear(h_c.float(), w.float())
-            grad = torch.softmax(logits, dim=-1)  # d lp / d logits = onehot - softmax, times g
-            del logits
-            grad.mul_(-g_c[:, None])
-            grad.scatter_add_(1, tgt[r0:r1, None], g_c[:, None])
+            if i < len(kept):  # the forward's log-softmax: no second logits GEMM
+                lp, kept[i] = kept[i], None  # type: ignore[call-overload]
+            else:
+                logits = _mm_fp32_out(h_c, w.t()) if low else F.linear(h_c.float(), w.float())
+                lp = logits.log_softmax(dim=-1)
+                del logits
+            grad = _head_grad(lp, g_c, tgt[r0:r1], h.dtype if low else torch.float32)
+            del lp
             if low:
-                grad_lo = grad.to(h.dtype)
-                del grad
                 if need_h:
-                    dh[r0:r1] = grad_lo @ w
+                    dh[r0:r1] = grad @ w
                 if need_w:
-                    dw32 += _mm_fp32_out(grad_lo.t(), h_c)
+                    dw32 += _mm_fp32_out(grad.t(), h_c)
             else:
                 if need_h:
                     dh[r0:r1] = (grad @ w.float()).to(h.dtype)
                 if need_w:
                     dw32 += grad.t() @ h_c.float()
-                del grad
+            del grad
         return dh, (dw32.to(w.dtype) if need_w else None), None
 
 

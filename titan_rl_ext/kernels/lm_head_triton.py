@@ -1,0 +1,49 @@
+"""Triton kernel of the fp32 head's backward (``kernels.lm_head``): the gradient of the sampled tokens'
+logprobs with respect to the logits, ``g_t * (onehot(target_t) - exp(lp_t))``, from the log-softmax rows
+the forward kept, written once in the GEMMs' dtype. It replaces torch's chain of ``exp``, ``mul_``,
+``scatter_add_`` and a cast, each a pass over ``[T, V]`` in fp32 (a 9B-vocabulary chunk is ~4 GiB per
+pass). Same operations in the same order as the reference (``lm_head.head_grad_reference``); gradients
+need not be batch invariant, so the only difference allowed is ``exp``'s last ulp.
+
+Runs under the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors
+(``tests/test_fused_triton_interp.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 4096
+
+
+@triton.jit
+def _head_grad_kernel(lp_ptr, g_ptr, tgt_ptr, out_ptr, V, s_lp, s_out, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    g = tl.load(g_ptr + row)
+    tgt = tl.load(tgt_ptr + row)
+    x = tl.exp(tl.load(lp_ptr + row * s_lp + cols, mask=mask, other=float("-inf")))
+    x = x * (-g)
+    x = tl.where(cols == tgt, x + g, x)
+    tl.store(out_ptr + row * s_out + cols, x.to(OUT_DTYPE), mask=mask)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[T, V]`` in ``out_dtype``: ``g * (onehot(tgt) - exp(lp))`` row by row (``lp`` fp32, unit stride in V)."""
+    T, V = lp_TV.shape
+    if lp_TV.dtype != torch.float32 or lp_TV.stride(1) != 1:
+        raise ValueError(f"lp must be fp32 with unit stride along V, got {lp_TV.dtype}, strides {lp_TV.stride()}")
+    if g_T.shape != (T,) or tgt_T.shape != (T,):
+        raise ValueError(f"g and targets must be [T={T}], got {tuple(g_T.shape)} and {tuple(tgt_T.shape)}")
+    out = torch.empty(T, V, dtype=out_dtype, device=lp_TV.device)
+    if T:
+        _head_grad_kernel[(T, triton.cdiv(V, BLOCK_V))](lp_TV, g_T.float().contiguous(), tgt_T.contiguous(), out, V,
+                                                         lp_TV.stride(0), out.stride(0), BLOCK=BLOCK_V,
+                                                         OUT_DTYPE=_TL[out_dtype], num_warps=8)
+    return out

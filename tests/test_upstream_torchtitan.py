@@ -117,3 +117,27 @@ def test_unservable_spec_refused_at_startup(hf_ckpts: dict[str, Path]) -> None:
     problems = servability_problems(model)
     assert problems == ["layers.0.cache (torch.nn.modules.rnn.GRU): not a module the plugin knows to be stateless across tokens"]
     assert issubclass(UnservableSpec, ValueError)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3"])
+def test_upstream_decode_step_reads_nothing_from_the_host(hf_ckpts: dict[str, Path], name: str) -> None:
+    """What lets torchtitan's own classes run under vLLM's full decode graphs (``graphs.eager_reason``): a
+    decode-only step of the served upstream model, BI on and off, makes no host read (no ``.item()``,
+    ``.tolist()``, nonzero, ...) in any frame outside the kernels (under BI, outside the attention's CPU
+    fallback: ``test_graphs.unwatched_attention_cpu_fallback``)."""
+    from test_graphs import DECODE_STEPS_WATCHED, HOST_READS, _watch_decode_steps, unwatched_attention_cpu_fallback
+
+    from titan_rl_ext.kernels import batch_invariant as bi
+
+    spec = SPECS[name]
+    with titan_engine(hf_ckpts[name], hf_overrides={"titan_model_spec": spec}, enable_prefix_caching=False,
+                      max_num_seqs=8) as llm:
+        llm.apply_model(_watch_decode_steps)
+        for on in (False, True):
+            with bi.batch_invariant(on), pytest.MonkeyPatch.context() as mp:
+                unwatched_attention_cpu_fallback(mp)
+                HOST_READS.clear()
+                DECODE_STEPS_WATCHED[0] = 0
+                _generate(llm, _prompts([5, 17, 40, 3], seed=7), 6)
+                assert DECODE_STEPS_WATCHED[0] >= 4, DECODE_STEPS_WATCHED  # the check saw decode-only steps
+                assert HOST_READS == [], (on, sorted(set(HOST_READS)))

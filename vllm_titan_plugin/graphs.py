@@ -12,8 +12,11 @@ full-decode part here, with a log line, rather than silently dropping to eager a
 
 Who runs eager anyway, and why (checked at start-up, once):
 - MoE models: the expert dispatch reads the routed expert ids on the host (``moe.GroupedExperts``).
-- torchtitan's own model classes (``titan_model_spec``): their forward has not been checked for host reads.
 - ``--enforce-eager``: the user's choice.
+
+torchtitan's own model classes (``titan_model_spec``) take the graphs too: their decode step reads nothing
+from the host, BI on and off (``tests/test_upstream_torchtitan.py::test_upstream_decode_step_reads_nothing_from_the_host``),
+and their attention is the plugin's paged kernel, the same as the titan classes'.
 
 Graphs bake in the code path they captured, and the batch-invariant switch (``POST
 /titan/v1/batch_invariant``) changes the path: after a flip every worker drops its graphs and captures them
@@ -33,7 +36,7 @@ def eager_reason(model_config: Any) -> str | None:
     from vllm_titan_plugin.upstream_model import spec_of
 
     if spec_of(model_config) is not None:
-        return "torchtitan's own model classes (titan_model_spec) run eager"
+        return None  # torchtitan's classes: no MoE among the servable specs (models.upstream.build)
     from titan_rl_ext.models.hf import config_from_hf
 
     if config_from_hf(model_config.hf_config.to_dict()).moe is not None:

@@ -150,16 +150,23 @@ def main() -> int:
     save()
 
     # ---- headline: full trainer step, two interleaved rounds per mode -----------------------------------
+    # *_head_recompute: the fp32 head's backward recomputing its logits (TITAN_HEAD_SAVE_GB=0), the path
+    # before the forward's log-softmax was kept: the same step in the same process, for the before/after
+    from titan_rl_ext.kernels import lm_head
+
+    step_modes = {m: (on, lm_head.SAVE_BYTES) for m, on in modes.items()}
+    step_modes.update({"bi_head_recompute": (True, 0), "nonbi_head_recompute": (False, 0)})
     timer = Timer(dev)
-    med: dict[str, list[float]] = {m: [] for m in modes}
+    med: dict[str, list[float]] = {m: [] for m in step_modes}
     peak: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     for rnd in range(2):
-        for mode, on in modes.items():
+        for mode, (on, save_bytes) in step_modes.items():
             if mode in errors:
                 continue
             if dev.type == "cuda" and rnd == 0:
                 torch.cuda.reset_peak_memory_stats(dev)
+            kept, lm_head.SAVE_BYTES = lm_head.SAVE_BYTES, save_bytes
             try:
                 with batch_invariant(on):
                     t = timer.run(train_step, warmup=1 if rnd == 0 else 0, reps=args.reps, max_s=args.max_s)
@@ -168,6 +175,8 @@ def main() -> int:
                 model.zero_grad(set_to_none=True)
                 print(f"  {mode}: step failed: {errors[mode]}", flush=True)
                 continue
+            finally:
+                lm_head.SAVE_BYTES = kept
             if dev.type == "cuda" and rnd == 0:
                 peak[mode] = torch.cuda.max_memory_allocated(dev) / 2**30
             med[mode].append(statistics.median(t))
@@ -176,7 +185,7 @@ def main() -> int:
     flops = results["flops"]
     useful = sum(flops.values())
     rows = []
-    for mode in modes:
+    for mode in step_modes:
         if not med[mode]:
             rows.append({"mode": mode, "error": errors.get(mode)})
             continue
@@ -185,8 +194,17 @@ def main() -> int:
         rows.append({"mode": mode, **r, "tokens_per_s": T / ms * 1e3,
                      "useful_tflops": useful / ms / 1e9, "peak_gib": peak.get(mode)})
     results["step"] = rows
-    ratio = (rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]) if all("ms" in r for r in rows) else None
+    by = {r["mode"]: r for r in rows if "ms" in r}
+
+    def tput_ratio(a: str, b: str) -> float | None:
+        return by[a]["tokens_per_s"] / by[b]["tokens_per_s"] if a in by and b in by else None
+
+    ratio = tput_ratio("bi", "nonbi")
     results["ratio_bi_over_nonbi_throughput"] = ratio
+    results["ratio_kept_head_over_recompute_throughput"] = {"bi": tput_ratio("bi", "bi_head_recompute"),
+                                                           "nonbi": tput_ratio("nonbi", "nonbi_head_recompute")}
+    print(f"  head backward from the kept log-softmax vs recomputed logits (throughput): "
+          f"{results['ratio_kept_head_over_recompute_throughput']}", flush=True)
     save()
 
     # ---- breakdown: each component's fwd+bwd alone ------------------------------------------------------

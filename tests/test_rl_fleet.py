@@ -171,6 +171,27 @@ def test_fleet_client_retries_elsewhere_and_marks_servers_out() -> None:
         asyncio.run(fc.generate([1, 2], sampling))
 
 
+def test_requests_fail_at_once_when_every_generator_has_exited() -> None:
+    """A trainer whose spawned server died does not wait out ``wait_s`` for it: with every member out of the
+    pool and known gone, a request fails at once, saying why; a member merely out (no exit known) is
+    still waited for."""
+    import time
+
+    f, _ = _fleet()
+    f.push({}, 1)
+    clients = {u: FakeClient(u, f"boot-{u}", 1, fail=True) for u in "abc"}
+    gone = {"a": "the vLLM server at a exited (-9)", "b": "the vLLM server at b exited (1)", "c": None}
+    fc = FleetClient(f, clients, wait_s=60, probe_every_s=60, exited=lambda u: gone[u])
+    with pytest.raises(GenerationError, match="no generator in the rollout pool for 1 s"):
+        asyncio.run(FleetClient(f, clients, wait_s=1, probe_every_s=60, exited=lambda u: gone[u]).generate([1, 2], SAMPLING3))
+    assert f.live() == []  # c only marked out: waited for, up to wait_s
+    gone["c"] = "the vLLM server at c exited (0)"
+    t0 = time.monotonic()
+    with pytest.raises(GenerationError, match=r"every generator has exited: .*a exited \(-9\).*c exited \(0\)"):
+        asyncio.run(fc.generate([1, 2], SAMPLING3))
+    assert time.monotonic() - t0 < 5
+
+
 def test_versions_from_spans_must_tile_the_tokens() -> None:
     assert versions_from_spans([[3, 0, 2], [4, 2, 5]], 5) == [3, 3, 4, 4, 4]
     assert versions_from_spans([], 0) == []

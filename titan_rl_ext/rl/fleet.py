@@ -21,7 +21,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,9 +201,14 @@ class FleetClient:
     every ``probe_every_s``; a different process (restarted) or dirty weights leave it until a push."""
 
     def __init__(self, fleet: GeneratorFleet, clients: Mapping[str, Any], max_attempts: int = 8,
-                 wait_s: float = 600.0, probe_every_s: float = 5.0) -> None:
+                 wait_s: float = 600.0, probe_every_s: float = 5.0,
+                 exited: Callable[[str], str | None] | None = None) -> None:
+        """``exited(url)``: why that member's process is gone for good (a generator this trainer spawned
+        exited), None when unknown or alive. With every member out and gone, a request fails at once with
+        those reasons instead of waiting ``wait_s`` for one to come back."""
         self.fleet, self.clients = fleet, dict(clients)
         self.max_attempts, self.wait_s, self.probe_every_s = max_attempts, wait_s, probe_every_s
+        self.exited = exited
         self._turn = itertools.count()
         self._last_probe = 0.0
 
@@ -234,6 +239,9 @@ class FleetClient:
             live = self.fleet.live()
             if live:
                 return live[next(self._turn) % len(live)]
+            gone = [why for u in self.clients if self.exited is not None and (why := self.exited(u))]
+            if len(gone) == len(self.clients):
+                raise GenerationError("every generator has exited: " + "; ".join(gone))
             if time.monotonic() > deadline:
                 raise GenerationError(f"no generator in the rollout pool for {self.wait_s:.0f} s")
             await asyncio.sleep(0.2)

@@ -76,6 +76,16 @@ class GeneratorServer:
                 raise TimeoutError(f"vLLM server not ready in {timeout_s} s (log {self.log_path})")
             time.sleep(0.5)
 
+    def exit_reason(self) -> str | None:
+        """None while the server process runs; once it has exited, its exit code and the end of its log."""
+        if self.proc.poll() is None:
+            return None
+        try:
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            tail = ""
+        return f"the vLLM server at {self.base} exited ({self.proc.returncode}); its log ({self.log_path}) ends:\n{tail}"
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

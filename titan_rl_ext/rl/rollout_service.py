@@ -22,13 +22,15 @@ class RolloutService:
     index. The ledger is only touched on the loop thread (producers, takes, the window's drop hook)."""
 
     def __init__(self, rl: RLConfig, fleet: Any, model_name: str, tokenizer: Any, initial_version: int,
-                 cursor: PromptCursor) -> None:
+                 cursor: PromptCursor, exited: Any = None) -> None:
+        """``exited(url)``: why a generator's process is gone for good (``FleetClient``), None if unknown."""
         from titan_rl_ext.rl.samples import SamplingConfig
 
         self.rl = rl
         self.fleet = fleet  # rl.fleet.GeneratorFleet: who may produce samples
         self.urls = list(fleet.members)
         self.model_name = model_name
+        self.exited = exited
         self.make_env, stop = env_factory(rl, tokenizer)
         extra: dict[str, Any] = {"ignore_eos": True} if rl.ignore_eos else {}
         if stop:  # a tool call's closing tag ends the turn
@@ -52,7 +54,8 @@ class RolloutService:
         from titan_rl_ext.rl.fleet import FleetClient
         from titan_rl_ext.rl.generator_client import GeneratorClient
 
-        self.client = FleetClient(self.fleet, {u: GeneratorClient(u, self.model_name) for u in self.urls})
+        self.client = FleetClient(self.fleet, {u: GeneratorClient(u, self.model_name) for u in self.urls},
+                                  exited=self.exited)
         self.verifiers: Any = None
         if self.rl.task == "verifiers":
             from titan_rl_ext.rl.envs.verifiers_source import VerifiersSource, default_python

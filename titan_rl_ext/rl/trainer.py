@@ -234,8 +234,13 @@ class RLTrainer(Trainer):
             logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
                         len(self.prompt_cursor.done_ahead))
         self._service = RolloutService(rl, self._fleet, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
-                                       self.prompt_cursor)
+                                       self.prompt_cursor, exited=self._generator_exited)
         self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
+
+    def _generator_exited(self, url: str) -> str | None:
+        """Why the generator at ``url`` is gone for good: the server this trainer spawned there exited."""
+        server = self._server
+        return server.exit_reason() if server is not None and server.base == url else None
 
     def _connect_generators(self) -> dict[str, tuple[int, str | None]]:
         """Rank 0: start or reach the generators, build the pusher, fleet and metrics logger; returns the

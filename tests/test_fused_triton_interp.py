@@ -1,7 +1,8 @@
 """The CUDA fused kernels of the layers -- ``kernels.rows_triton`` (RMSNorm both flavours, gated RMSNorm,
 l2norm, SwiGLU, the GDN gates) and ``kernels.conv_triton`` (causal conv with state) -- run on CPU under the Triton
 interpreter and checked against their plain-PyTorch references (``kernels.rows``, ``kernels.conv``); and the fp32 head's
-backward kernel (``kernels.lm_head_triton``) against ``lm_head.head_grad_reference``.
+backward kernel (``kernels.lm_head_triton``) against ``lm_head.head_grad_reference``, and the MoE grouped GEMM
+(``kernels.grouped_gemm_triton``) against ``grouped_gemm.grouped_mm_reference``.
 
 What must hold exactly (``torch.equal``): a row's / token's bits do not depend on which other rows or
 sequences share the launch (batch invariance), on a strided view vs a contiguous copy of the input, or on a
@@ -222,9 +223,51 @@ def _check_head_grad() -> None:
         raise AssertionError("a float64 lp must be refused")
 
 
+def _check_grouped_mm() -> None:
+    """The MoE grouped GEMM (``grouped_gemm_triton``) against the expert-by-expert reference; a row's bits
+    do not depend on how many rows its expert or the others got (batch invariance); empty experts, ragged
+    tiles; the backward of the autograd wrapper against the reference's."""
+    import torch
+
+    from titan_rl_ext.kernels import grouped_gemm as gg
+    from titan_rl_ext.kernels.grouped_gemm_triton import grouped_mm
+
+    g = torch.Generator().manual_seed(5)
+    E, N, K = 37, 72, 80  # experts not a power of two; N and K not multiples of the 64 tiles
+    counts = torch.zeros(E, dtype=torch.int64)
+    counts[[0, 3, 4, 20, 36]] = torch.tensor([70, 1, 0, 130, 5])  # a tile and a bit, single rows, empties
+    R = int(counts.sum())
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(R, K, generator=g).to(dtype)
+        w = (torch.randn(E, N, K, generator=g) * 0.2).to(dtype)
+        y = grouped_mm(x, w, counts)
+        _close(y, gg.grouped_mm_reference(x.float(), w.float(), counts).to(dtype), rounded_to=dtype)
+        # the 4th row of expert 20 alone, and expert 20's rows with another split of the others
+        r0 = 70 + 1
+        alone = torch.zeros(E, dtype=torch.int64)
+        alone[20] = 1
+        assert torch.equal(grouped_mm(x[r0 + 3 : r0 + 4], w, alone), y[r0 + 3 : r0 + 4])
+        only20 = torch.zeros(E, dtype=torch.int64)
+        only20[20] = 130
+        assert torch.equal(grouped_mm(x[r0 : r0 + 130], w, only20), y[r0 : r0 + 130])
+        wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # another weight layout, the same values
+        assert torch.equal(grouped_mm(x, wt, counts), y)
+    # the autograd wrapper: forward = the kernel, gradients = the reference's (fp32, to rounding)
+    x = torch.randn(R, K, generator=g, requires_grad=True)
+    w = (torch.randn(E, N, K, generator=g) * 0.2).requires_grad_(True)
+    gy = torch.randn(R, N, generator=g)
+    gg._TritonGroupedMM.apply(x, w, counts).backward(gy)
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    gg.grouped_mm_reference(x, w, counts).backward(gy)
+    _close(dx, x.grad)
+    _close(dw, w.grad)
+
+
 def _main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    for check in (_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_head_grad):
+    for check in (_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_head_grad,
+                  _check_grouped_mm):
         t0 = time.time()
         check()
         print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")

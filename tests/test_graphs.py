@@ -60,17 +60,12 @@ def test_configure_picks_full_decode_graphs_without_compile(tiny_ckpt) -> None:
         configure(untouched)
         assert untouched.compilation_config.mode is None and untouched.compilation_config.cudagraph_mode is None
 
-    # models whose forward reads the host run eager, with the reason logged
-    eager = _config(tiny_ckpt("qwen3_5_moe", layout="text"))
-    configure(eager)
-    assert eager.model_config.enforce_eager is True
-    assert eager.compilation_config.cudagraph_mode is None
-    # torchtitan's own classes take the graphs (their decode step reads nothing from the host:
-    # test_upstream_torchtitan.py)
-    upstream = _config(dense, titan_model_spec="torchtitan.models.qwen3")
-    configure(upstream)
-    assert upstream.model_config.enforce_eager is False
-    assert upstream.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    # MoE and torchtitan's own classes take the graphs too (their decode steps read nothing from the host:
+    # test_decode_step_reads_nothing_from_the_host, test_upstream_torchtitan.py)
+    for other in (_config(tiny_ckpt("qwen3_5_moe", layout="text")), _config(dense, titan_model_spec="torchtitan.models.qwen3")):
+        configure(other)
+        assert other.model_config.enforce_eager is False
+        assert other.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
 
 
 def test_engine_config_of_titan_models(tiny_ckpt) -> None:
@@ -88,7 +83,7 @@ def test_engine_config_of_titan_models(tiny_ckpt) -> None:
     assert not vc.model_config.enforce_eager
     assert vc.compilation_config.mode == CompilationMode.NONE  # no torch.compile of the titan classes
     vc = build(tiny_ckpt("qwen3_5_moe", layout="text"), model_impl="titan")
-    assert vc.model_config.enforce_eager
+    assert not vc.model_config.enforce_eager and vc.compilation_config.mode == CompilationMode.NONE
     vc = build(tiny_ckpt("qwen3_5", layout="text"), model_impl="auto")  # native: vLLM's own choice
     assert vc.compilation_config.mode != CompilationMode.NONE
 
@@ -179,7 +174,10 @@ def unwatched_attention_cpu_fallback(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(VllmAttentionKernel, "_forward_batch_invariant", unwatched)
 
 
-def test_decode_step_reads_nothing_from_the_host(tiny_ckpt) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_decode_step_reads_nothing_from_the_host(tiny_ckpt, arch: str) -> None:
+    """Dense hybrid and MoE (the routed experts: sorted on the device, one grouped GEMM per weight; on CPU the
+    grouped GEMM's reference loops over experts in ``titan_rl_ext/kernels``, on CUDA one Triton launch)."""
     from test_vllm_plugin import ENGINE_ENV, _generate, _prompts, titan_engine
 
     from titan_rl_ext.kernels import batch_invariant as bi
@@ -188,7 +186,7 @@ def test_decode_step_reads_nothing_from_the_host(tiny_ckpt) -> None:
         for k, v in ENGINE_ENV.items():
             mp.setenv(k, v)
         unwatched_attention_cpu_fallback(mp)
-        with titan_engine(tiny_ckpt("qwen3_5", layout="text"), enable_prefix_caching=False, max_num_seqs=8) as llm:
+        with titan_engine(tiny_ckpt(arch, layout="text"), enable_prefix_caching=False, max_num_seqs=8) as llm:
             llm.apply_model(_watch_decode_steps)
             for on in (False, True):
                 with bi.batch_invariant(on):

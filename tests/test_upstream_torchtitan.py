@@ -121,7 +121,7 @@ def test_unservable_spec_refused_at_startup(hf_ckpts: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3"])
 def test_upstream_decode_step_reads_nothing_from_the_host(hf_ckpts: dict[str, Path], name: str) -> None:
-    """What lets torchtitan's own classes run under vLLM's full decode graphs (``graphs.eager_reason``): a
+    """What lets torchtitan's own classes run under vLLM's full decode graphs (``vllm_titan_plugin.graphs``): a
     decode-only step of the served upstream model, BI on and off, makes no host read (no ``.item()``,
     ``.tolist()``, nonzero, ...) in any frame outside the kernels (under BI, outside the attention's CPU
     fallback: ``test_graphs.unwatched_attention_cpu_fallback``)."""

@@ -10,13 +10,11 @@ Piecewise graphs would need the model traced by torch.compile (``support_torch_c
 attention and GDN cores as splitting ops; a request for a mode with a piecewise part is mapped to its
 full-decode part here, with a log line, rather than silently dropping to eager as vLLM would.
 
-Who runs eager anyway, and why (checked at start-up, once):
-- MoE models: the expert dispatch reads the routed expert ids on the host (``moe.GroupedExperts``).
-- ``--enforce-eager``: the user's choice.
-
-torchtitan's own model classes (``titan_model_spec``) take the graphs too: their decode step reads nothing
-from the host, BI on and off (``tests/test_upstream_torchtitan.py::test_upstream_decode_step_reads_nothing_from_the_host``),
-and their attention is the plugin's paged kernel, the same as the titan classes'.
+Every titan class takes the graphs: the dense and hybrid models, the MoE models (their routed experts are
+sorted on the device and run as one grouped GEMM per weight, ``kernels.grouped_gemm``) and torchtitan's own
+classes (``titan_model_spec``). That no decode step reads the host is checked on CPU, BI on and off
+(``tests/test_graphs.py``, ``tests/test_upstream_torchtitan.py``); ``--enforce-eager`` still runs
+everything eager.
 
 Graphs bake in the code path they captured, and the batch-invariant switch (``POST
 /titan/v1/batch_invariant``) changes the path: after a flip every worker drops its graphs and captures them
@@ -31,19 +29,6 @@ from typing import Any
 logger = logging.getLogger("vllm.titan_plugin")
 
 
-def eager_reason(model_config: Any) -> str | None:
-    """Why this titan model must run eager (None: it runs under full decode graphs)."""
-    from vllm_titan_plugin.upstream_model import spec_of
-
-    if spec_of(model_config) is not None:
-        return None  # torchtitan's classes: no MoE among the servable specs (models.upstream.build)
-    from titan_rl_ext.models.hf import config_from_hf
-
-    if config_from_hf(model_config.hf_config.to_dict()).moe is not None:
-        return "the MoE expert dispatch reads routed expert ids on the host"
-    return None
-
-
 def configure(vllm_config: Any) -> None:
     """Pick the compilation and CUDA graph modes of a ``--model-impl titan`` engine. Runs before vLLM
     resolves its own defaults, so an unset field still reads None and a user's explicit choice is kept
@@ -52,10 +37,6 @@ def configure(vllm_config: Any) -> None:
 
     mc, cc = vllm_config.model_config, vllm_config.compilation_config
     if mc is None or getattr(mc, "model_impl", None) != "titan" or mc.enforce_eager:
-        return
-    if (reason := eager_reason(mc)) is not None:
-        logger.info("--model-impl titan: running eager (%s)", reason)
-        mc.enforce_eager = True
         return
     if cc.mode is None:
         cc.mode = CompilationMode.NONE  # the titan classes are not traced by torch.compile

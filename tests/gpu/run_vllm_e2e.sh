@@ -6,6 +6,7 @@
 #   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off (PARITY_BI_ONLY=1: on), prefix caching + split prefills, both shapes
 #                                           # (the engine as shipped: full decode CUDA graphs; PARITY_EAGER=1: --enforce-eager)
 #   bash tests/gpu/run_vllm_e2e.sh graphs   # tests/gpu/vllm_graphs.py: BI bits under every capture size = eager
+#   bash tests/gpu/run_vllm_e2e.sh graphs_moe  # the same on the 35B-A3B-shaped MoE checkpoint
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
 #   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI, all three
 #                                           # engines up at once and timed rep by rep (interleaved) -> serving.json
@@ -60,6 +61,9 @@ fi
 
 if [[ $what == graphs || $what == all ]]; then
     timeout 560 python3 tests/gpu/vllm_graphs.py --model-dir $ck/dense --out "$out/graphs.json" 2>&1 | tee "$out/graphs.log" | tail -12
+fi
+if [[ $what == graphs_moe ]]; then  # the 35B-A3B shape (setup without SKIP_MOE): grouped experts under graphs
+    timeout 560 python3 tests/gpu/vllm_graphs.py --model-dir $ck/moe --out "$out/graphs_moe.json" 2>&1 | tee "$out/graphs_moe.log" | tail -12
 fi
 
 # One table from one driver run: the three engines start one after the other (a cold machine spends ~150 s

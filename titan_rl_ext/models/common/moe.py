@@ -58,15 +58,28 @@ class GroupedExperts(nn.Module):
             nn.init.trunc_normal_(w, std=std)
 
     def forward(self, x_TD: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        out_TD = torch.zeros_like(x_TD)
-        # Visit experts in ascending id order and accumulate with index_add_: a fixed summation order
-        # per token, independent of which other tokens share the batch.
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            h = x_TD[tok]
-            h = ops.silu(ops.linear(h, self.w1[e])) * ops.linear(h, self.w3[e])
-            h = ops.linear(h, self.w2[e]) * top_w[tok, slot, None]
-            out_TD.index_add_(0, tok, h.to(out_TD.dtype))
+        """Every (token, slot) pair through its expert in one grouped GEMM per weight (``kernels.grouped_gemm``):
+        pairs sorted by expert, the routing kept on the device (no host read: a decode step can be a CUDA
+        graph). A token's expert outputs are then summed in ascending expert id, in the activation dtype,
+        starting from the first: a fixed order per token, independent of which other tokens share the batch
+        (the same sums, in the same order, as the per-expert loop this replaced)."""
+        from titan_rl_ext.kernels.grouped_gemm import grouped_mm
+
+        T, k = top_i.shape
+        D = x_TD.shape[1]
+        flat_e = top_i.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)  # pairs by expert, then by (token, slot)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x_TD.device)
+        counts.scatter_add_(0, flat_e, torch.ones_like(flat_e))  # bincount would read its size on the host
+        x_PD = x_TD[order // k]
+        h = ops.silu(grouped_mm(x_PD, self.w1, counts)) * grouped_mm(x_PD, self.w3, counts)
+        h = grouped_mm(h, self.w2, counts) * top_w.reshape(-1)[order, None]
+        pairs = torch.empty_like(h).index_copy(0, order, h).view(T, k, D)  # back to (token, slot) order
+        by_expert = torch.argsort(top_i, dim=1, stable=True)  # each token's slots in ascending expert id
+        h_TkD = pairs.gather(1, by_expert[:, :, None].expand(T, k, D)).to(x_TD.dtype)
+        out_TD = h_TkD[:, 0]
+        for j in range(1, k):
+            out_TD = out_TD + h_TkD[:, j]
         return out_TD
 
 

@@ -27,7 +27,7 @@ def _grouped_mm_kernel(
     E, N, K,
     s_xm, s_we, s_wn, s_wk, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LOG2_E: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,7 +58,7 @@ def _grouped_mm_kernel(
         if UPCAST:  # the interpreter's dot: fp32 operands (bf16 products are exact in fp32 anyway)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     tl.store(y_ptr + rows[:, None] * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -85,5 +85,7 @@ def grouped_mm(x_NK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) 
         x.stride(0), w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, LOG2_E=max(1, (E - 1).bit_length()),
         UPCAST=x.device.type != "cuda", num_warps=4, num_stages=3,
+        # fp32 operands: full fp32 products, not tf32 (as the dense BI GEMM)
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return y

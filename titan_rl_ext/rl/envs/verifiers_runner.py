@@ -48,7 +48,7 @@ def _episode(ep: Any) -> dict[str, Any]:
     return {"ok": bool(ep.ok), "errors": [str(getattr(e, "message", e))[:500] for e in ep.errors], "traces": traces}
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, proto: Any) -> None:
     import verifiers.v1 as vf
 
     taskset = {"id": args.taskset, **json.loads(args.taskset_args)}
@@ -63,8 +63,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
     async def emit(obj: dict[str, Any]) -> None:
         async with out_lock:
-            sys.stdout.write(json.dumps(obj) + "\n")
-            sys.stdout.flush()
+            proto.write(json.dumps(obj) + "\n")
+            proto.flush()
 
     async def handle(req: dict[str, Any]) -> None:
         try:
@@ -105,7 +105,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TITAN_VF_KEY", "local")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    asyncio.run(_serve(args))
+    # stdout carries the protocol alone: whatever a library prints goes to stderr
+    proto, sys.stdout = sys.stdout, sys.stderr
+    asyncio.run(_serve(args, proto))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,22 @@ def test_fused_logprobs_backward_matches_autograd_of_the_full_head(monkeypatch: 
     torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5)
 
 
+def test_nothing_is_kept_for_a_backward_that_cannot_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad (the parity and stale-gap recomputes) the forward keeps no log-softmax chunk: it would
+    only raise the peak memory."""
+    h, w, tgt = _inputs(seed=3)
+    kept: list[bool] = []
+    real = lm_head._TokenLogprobs.forward
+    monkeypatch.setattr(lm_head._TokenLogprobs, "forward",
+                        staticmethod(lambda ctx, *a: (kept.append(a[-1]), real(ctx, *a))[1]))
+    hh = h.clone().requires_grad_(True)
+    with torch.no_grad():
+        lm_head.token_logprobs_fused(hh, w, tgt)
+    lm_head.token_logprobs_fused(hh, w, tgt)
+    lm_head.token_logprobs_fused(h, w, tgt)  # nothing requires grad
+    assert kept == [False, True, False]
+
+
 def test_fused_logprobs_refuse_bad_shapes() -> None:
     h, w, tgt = _inputs()
     with pytest.raises(ValueError, match="expected h"):

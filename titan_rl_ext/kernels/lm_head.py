@@ -85,12 +85,11 @@ def _head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, w_VD, targets_T):  # type: ignore[no-untyped-def]
+    def forward(ctx, h_TD, w_VD, targets_T, keep):  # type: ignore[no-untyped-def]
         T, V = h_TD.shape[0], w_VD.shape[0]
         out = torch.empty(T, dtype=torch.float32, device=h_TD.device)
         step = chunk_rows(V)
-        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        kept: list[torch.Tensor] = []  # the first chunks' log-softmax, within SAVE_BYTES
+        kept: list[torch.Tensor] = []  # the first chunks' log-softmax, within SAVE_BYTES (only for a backward)
         for r0 in range(0, T, step):
             r1 = min(T, r0 + step)
             lp = head_logits_fp32(h_TD[r0:r1], w_VD).log_softmax(dim=-1, dtype=torch.float32)
@@ -135,7 +134,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 if need_w:
                     dw32 += grad.t() @ h_c.float()
             del grad
-        return dh, (dw32.to(w.dtype) if need_w else None), None
+        return dh, (dw32.to(w.dtype) if need_w else None), None, None
 
 
 def token_logprobs_fused(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
@@ -145,4 +144,6 @@ def token_logprobs_fused(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torc
         raise ValueError(f"expected h [T, D] and w [V, D]; got {tuple(h_TD.shape)} and {tuple(w_VD.shape)}")
     if targets_T.shape != (h_TD.shape[0],):
         raise ValueError(f"targets must be [T={h_TD.shape[0]}]; got {tuple(targets_T.shape)}")
-    return _TokenLogprobs.apply(h_TD, w_VD, targets_T.long())
+    # under no_grad nothing is kept (ctx.needs_input_grad would still say True there)
+    keep = torch.is_grad_enabled() and (h_TD.requires_grad or w_VD.requires_grad)
+    return _TokenLogprobs.apply(h_TD, w_VD, targets_T.long(), keep)

@@ -237,6 +237,36 @@ def test_multi_turn_env_tokens_are_masked_and_generator_sees_full_history() -> N
     assert packed.tokens_T.tolist() == prompt + sample.completion_ids + prompt + right.completion_ids
 
 
+class _ContextLimited(ScriptedGenerator):
+    """vLLM's answer to a prompt longer than the model's context (``--max-model-len``)."""
+
+    def __init__(self, replies: list[str], max_len: int) -> None:
+        super().__init__(replies)
+        self.max_len = max_len
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> Generation:
+        if len(prompt_ids) > self.max_len:
+            raise GenerationError(f"HTTP 400 from /v1/completions: This model's maximum context length is "
+                                  f"{self.max_len} tokens. However, your prompt contains {len(prompt_ids)} input tokens", 400)
+        return await super().generate(prompt_ids, sampling)
+
+
+def test_an_episode_that_outgrows_the_context_ends_there() -> None:
+    """A tool's output can push the history past the model's context: that episode ends unfinished (reward
+    0, its tokens kept) instead of failing the rollout producer and with it the run. A prompt that is too long
+    from the start is the data's problem and still raises."""
+    from titan_rl_ext.rl.rollout import CONTEXT_FINISH
+
+    tok = CharTokenizer()
+    ex = SyntheticExample("2+2?", "4")
+    env = lambda: GuessThenCorrectEnv(tok, SyntheticTask.score, feedback=" no, the answer is not that one.")  # noqa: E731
+    s = asyncio.run(rollout_group(_ContextLimited([" 5", " 4"], max_len=20), env, ex, 1, SamplingConfig()))[0]
+    assert s.finish_reason == CONTEXT_FINISH and s.reward == 0.0 and s.num_turns == 1
+    assert s.completion_ids[:2] == tok.encode(" 5") and s.loss_mask == [True] * 2 + [False] * (len(s.completion_ids) - 2)
+    with pytest.raises(GenerationError, match="maximum context length"):
+        asyncio.run(rollout_group(_ContextLimited([" 5"], max_len=2), env, ex, 1, SamplingConfig()))
+
+
 # -- real server ---------------------------------------------------------------------------------
 
 

@@ -57,6 +57,15 @@ __all__ = [
 _group_ids: Iterator[int] = itertools.count()
 
 
+CONTEXT_FINISH = "context_length"
+"""``Sample.finish_reason`` of an episode whose next turn no longer fit the model's context."""
+
+
+def _is_context_overflow(e: GenerationError) -> bool:
+    """vLLM's 400 for a prompt longer than ``--max-model-len``."""
+    return e.status == 400 and "maximum context length" in str(e)
+
+
 async def rollout_episode(
     client: Generator, env: Environment, prompt: Any, sampling: SamplingConfig, group_id: int = 0, max_turns: int = 16,
     seed: int | None = None,
@@ -72,7 +81,15 @@ async def rollout_episode(
     try:
         for turns in range(1, max_turns + 1):
             turn_sampling = sampling if seed is None else dataclasses.replace(sampling, seed=sample_seed(seed, turns))
-            gen = await client.generate(prompt_ids + ids, turn_sampling)
+            try:
+                gen = await client.generate(prompt_ids + ids, turn_sampling)
+            except GenerationError as e:
+                if turns > 1 and _is_context_overflow(e):
+                    # the history (tool output, retrieved passages) outgrew the model's context: the episode
+                    # ends there, unfinished, and scores 0; its tokens so far are kept as they are
+                    reward, finish, turns = 0.0, CONTEXT_FINISH, turns - 1
+                    break
+                raise
             ids += gen.token_ids
             lps += gen.logprobs
             versions += [int(v) if v is not None else 0 for v in gen.versions]

@@ -53,7 +53,7 @@ def test_chunked_pass_equals_one_pass(tiny_ckpt, aggregation: str) -> None:
     try:
         for max_tokens in (0, 40):
             model.zero_grad(set_to_none=True)
-            lp_T, loss, metrics = forward_backward(model, samples, adv_N, loss_fn, norm, max_tokens)
+            lp_T, loss, metrics = forward_backward(model, packed, adv_N, loss_fn, norm, max_tokens)
             runs[max_tokens] = (lp_T, loss, metrics, {n: p.grad.clone() for n, p in model.named_parameters()})
     finally:
         bi.set_batch_invariant(was)

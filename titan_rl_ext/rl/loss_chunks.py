@@ -28,32 +28,35 @@ def loss_chunks(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]
     return out
 
 
-def forward_backward(model: torch.nn.Module, samples: Sequence[Any], adv_N: torch.Tensor, loss_fn: Any,
-                     norm: dict[str, Any], max_tokens: int, old_logprobs: str = "generator", grad_scale: float = 1.0,
-                     device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """Backward of ``loss_fn`` over ``samples`` chunk by chunk (gradients accumulate in ``model``; each
-    chunk's loss times ``grad_scale`` is what is backpropagated). ``adv_N``: one advantage per sample.
-    Returns the detached logprobs ``[T]`` in ``pack_samples``' layout of all ``samples``, the summed loss
-    and its metrics (token-weighted means over the chunks)."""
+def forward_backward(model: torch.nn.Module, packed: Any, adv_N: torch.Tensor, loss_fn: Any, norm: dict[str, Any],
+                     max_tokens: int, old_logprobs: str = "generator",
+                     grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Backward of ``loss_fn`` over the samples of ``packed`` (``pack_samples``) chunk by chunk, each chunk a
+    slice of it (gradients accumulate in ``model``; each chunk's loss times ``grad_scale`` is what is
+    backpropagated). ``adv_N``: one advantage per sample. Returns the detached logprobs ``[T]`` in
+    ``packed``'s layout, the summed loss and its metrics (token-weighted means over the chunks)."""
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.rl.advantages import broadcast_to_tokens
     from titan_rl_ext.rl.logprobs import token_logprobs
-    from titan_rl_ext.rl.samples import pack_samples
 
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    lps, loss, parts = [], torch.zeros((), device=device), []
-    for lo, hi in loss_chunks(lengths, max_tokens):
-        pk = pack_samples(samples[lo:hi], device=device)
-        seqs = SeqBatch.from_lengths(pk.lengths, device=device)
-        lp_new_T = token_logprobs(model, pk.tokens_T, seqs)
-        adv_T = broadcast_to_tokens(adv_N[lo:hi], lengths=pk.lengths, mask_T=pk.loss_mask_T)
-        lp_old_T = pk.gen_logprobs_T if old_logprobs == "generator" else lp_new_T.detach()
-        chunk_loss, m = loss_fn(lp_new_T, lp_old_T, adv_T, pk.loss_mask_T, cu_seqlens=seqs.cu_seqlens,
-                                lp_gen_T=pk.gen_logprobs_T, **norm)
+    starts = [0]
+    for n in packed.lengths:
+        starts.append(starts[-1] + n)
+    lps, loss, parts = [], torch.zeros((), device=packed.tokens_T.device), []
+    for lo, hi in loss_chunks(packed.lengths, max_tokens):
+        t = slice(starts[lo], starts[hi])
+        lengths = packed.lengths[lo:hi]
+        tokens_T, mask_T, lp_gen_T = packed.tokens_T[t], packed.loss_mask_T[t], packed.gen_logprobs_T[t]
+        seqs = SeqBatch.from_lengths(lengths, device=tokens_T.device)
+        lp_new_T = token_logprobs(model, tokens_T, seqs)
+        adv_T = broadcast_to_tokens(adv_N[lo:hi], lengths=lengths, mask_T=mask_T)
+        lp_old_T = lp_gen_T if old_logprobs == "generator" else lp_new_T.detach()
+        chunk_loss, m = loss_fn(lp_new_T, lp_old_T, adv_T, mask_T, cu_seqlens=seqs.cu_seqlens, lp_gen_T=lp_gen_T,
+                                **norm)
         (chunk_loss * grad_scale).backward()
         lps.append(lp_new_T.detach())
         loss = loss + chunk_loss.detach()
-        parts.append((int(pk.loss_mask_T.sum()), m))
+        parts.append((int(mask_T.sum()), m))
     return torch.cat(lps), loss, _token_weighted(parts)
 
 

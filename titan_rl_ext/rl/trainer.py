@@ -428,9 +428,8 @@ class RLTrainer(Trainer):
             norm["num_global_seqs"] = max(1, sum(s.num_loss_tokens > 0 for s in ro.mine))
         self.optimizers.zero_grad(set_to_none=True)
         # partial sums over ranks; FSDP averages gradients, so scale back to a sum
-        lp_T, loss, metrics = forward_backward(self.model_parts[0], ro.mine, adv_N, self.rl_loss, norm,
-                                               rl.loss_chunk_tokens, rl.old_logprobs, grad_scale=self.world,
-                                               device=self.device)
+        lp_T, loss, metrics = forward_backward(self.model_parts[0], packed, adv_N, self.rl_loss, norm,
+                                               rl.loss_chunk_tokens, rl.old_logprobs, grad_scale=self.world)
         return packed, lp_T, loss, metrics
 
     def _optimizer_step(self, ro: _Rollouts) -> tuple[torch.Tensor, dict[str, Any]]:

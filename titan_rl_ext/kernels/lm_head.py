@@ -14,7 +14,8 @@ makes on the generator's logits (row by row, so chunking does not change a row's
 pin the forward to materialising the fp32 logits and their log-softmax (a tiled online softmax would round
 differently from the sampler's). So the backward reuses what the forward already wrote: the log-softmax
 chunks are kept (up to ``SAVE_BYTES``, ``TITAN_HEAD_SAVE_GB``) and the backward forms ``g * (onehot -
-exp(lp))`` from them in one pass (``lm_head_triton`` on CUDA), with no second logits GEMM: 2 of the 3
+exp(lp))`` from them in one pass (``lm_head_triton`` on CUDA, under the fused-kernel switch of
+``kernels.rows``), with no second logits GEMM: 2 of the 3
 head GEMMs of a step instead of 3 of 4. Chunks past the budget recompute their logits as before. dgrad
 and wgrad are 16-bit GEMMs with fp32 accumulation (cuBLAS; gradients need not be batch invariant);
 ``tests/gpu/test_bi_kernels_cuda.py::test_fused_head_bits_and_gradient_error`` measures the gradient error
@@ -74,11 +75,11 @@ def head_grad_reference(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Ten
 
 
 def _head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    if lp_TV.is_cuda:
-        try:
-            from titan_rl_ext.kernels.lm_head_triton import head_grad
-        except ImportError:  # no triton
-            return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype)
+    from titan_rl_ext.kernels.rows import fused_available
+
+    if fused_available(lp_TV):  # CUDA, triton, TITAN_FUSED_KERNELS not "0": the layers' fused-kernel switch
+        from titan_rl_ext.kernels.lm_head_triton import head_grad
+
         return head_grad(lp_TV, g_T, tgt_T, out_dtype)
     return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype)
 

@@ -28,10 +28,10 @@ def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str)
     from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION
 
     if recipe == "rl_verifiers_cpu":
-        from titan_rl_ext.rl.envs.verifiers_source import default_python
+        from test_verifiers_env import NO_VERIFIERS
 
-        if subprocess.run([default_python(), "-c", "import verifiers.v1"], capture_output=True).returncode:
-            pytest.skip("no Python with verifiers 0.4 (scripts/setup.sh makes .venv-verifiers)")
+        if NO_VERIFIERS:
+            pytest.skip(NO_VERIFIERS)
     if recipe == "rl_terminal_cpu":
         from titan_rl_ext.rl.envs.sandbox import network_isolation_problem
 

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from titan_rl_ext.rl.envs.verifiers_source import BranchMismatch, Call, VerifiersSource, branch_sample
+from titan_rl_ext.rl.envs.verifiers_source import BranchMismatch, Call, VerifiersSource, branch_sample, default_python
 from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION, Generation, SamplingConfig
 
-_ROOT = Path(__file__).resolve().parents[1]
-VF_PYTHON = os.environ.get("TITAN_VERIFIERS_PYTHON") or str(_ROOT / ".venv-verifiers" / "bin" / "python")
-needs_verifiers = pytest.mark.skipif(not Path(VF_PYTHON).exists(),
-                                     reason="no verifiers virtualenv (scripts/setup.sh makes .venv-verifiers)")
+VF_PYTHON = default_python()
+NO_VERIFIERS = (None if subprocess.run([VF_PYTHON, "-c", "import verifiers.v1"], capture_output=True).returncode == 0
+                else "no Python with verifiers 0.4 (scripts/setup.sh makes .venv-verifiers)")
+needs_verifiers = pytest.mark.skipif(NO_VERIFIERS is not None, reason=NO_VERIFIERS or "")
 
 
 def test_branch_becomes_a_sample_only_on_the_generators_tokens() -> None:

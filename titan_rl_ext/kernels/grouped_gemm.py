@@ -9,20 +9,28 @@ host, which is fine where there are no graphs; the bits are those of the per-exp
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels import ops
 
 
-def grouped_mm_reference(x_NK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """Expert by expert: ``ops.linear`` of each expert's rows (batch invariant when the switch is on)."""
-    y = x_NK.new_empty(x_NK.shape[0], w_ENK.shape[1])
+def expert_rows(counts_E: torch.Tensor) -> Iterator[tuple[int, slice]]:
+    """``(expert, its rows)`` for every expert with rows, in order (reads the counts on the host)."""
     start = 0
     for e, c in enumerate(counts_E.tolist()):
         if c:
-            y[start : start + c] = ops.linear(x_NK[start : start + c], w_ENK[e])
+            yield e, slice(start, start + c)
         start += c
+
+
+def grouped_mm_reference(x_NK: torch.Tensor, w_ENK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Expert by expert: ``ops.linear`` of each expert's rows (batch invariant when the switch is on)."""
+    y = x_NK.new_empty(x_NK.shape[0], w_ENK.shape[1])
+    for e, rows in expert_rows(counts_E):
+        y[rows] = ops.linear(x_NK[rows], w_ENK[e])
     return y
 
 
@@ -32,8 +40,6 @@ def _takes_torch_grouped_mm(x_NK: torch.Tensor, w_ENK: torch.Tensor) -> bool:
     return (hasattr(torch, "_grouped_mm") and x_NK.dtype == w_ENK.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x_NK.device) >= (9, 0)
             and x_NK.shape[1] % 8 == 0 and w_ENK.shape[1] % 8 == 0)  # 16-byte rows of bf16
-
-
 
 
 class _TritonGroupedMM(torch.autograd.Function):
@@ -57,11 +63,8 @@ class _TritonGroupedMM(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             dw = torch.zeros_like(w)
-            start = 0
-            for e, c in enumerate(counts.tolist()):
-                if c:
-                    dw[e] = (dy[start : start + c].t().float() @ x[start : start + c].float()).to(w.dtype)
-                start += c
+            for e, rows in expert_rows(counts):
+                dw[e] = (dy[rows].t().float() @ x[rows].float()).to(w.dtype)
         return dx, dw, None
 
 

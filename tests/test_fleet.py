@@ -285,7 +285,11 @@ def test_fleet_push_outcomes_under_faults(fl: Fleet) -> None:
     assert sorted(out.live) == sorted([a, c]) and list(out.out) == [b] and "503" in out.out[b], out
     assert fl.proxies[2].pushes[-1] >= fl.proxies[2].delay_s and out.seconds >= fl.proxies[2].delay_s
     assert requests.get(f"{b}/titan/v1/weights/version", timeout=30).json()["version"] == 1
-    assert out.metrics() == {"fleet/live": 2.0, "fleet/out": 1.0}
+    m = out.metrics()
+    assert (m["fleet/live"], m["fleet/out"], m["swap/post_s"]) == (2.0, 1.0, out.seconds), m
+    # the servers' own phases of the push (the slowest live one's), each inside the whole round
+    for phase in ("swap/server_receive_s", "swap/server_hop_s", "swap/server_swap_s"):
+        assert 0.0 <= m[phase] <= m["swap/post_s"], (phase, m)
     gens = _admitted(fl, 8, 100, {a, c})
     assert {g.server for g in gens} == {a, c} and all(v == 2 for g in gens for v in g.versions)
     matrix += [("503 from b", "b out, still on v1; a, c serve v2"), ("c slow (3 s)", "c serves v2")]

@@ -40,7 +40,7 @@ def test_push_outcome_marks_failures_out_and_brings_them_back() -> None:
     p.answers["b"] = {"url": "b", "ok": False, "status": 503, "error": "busy"}
     out = f.push({}, 2)
     assert out.live == ["a", "c"] and list(out.out) == ["b"] and "HTTP 503" in out.out["b"]
-    assert out.metrics() == {"fleet/live": 2.0, "fleet/out": 1.0}
+    assert out.metrics() == {"fleet/live": 2.0, "fleet/out": 1.0, "swap/post_s": out.seconds}
     assert f.admit(_gen("b", "boot-b", [1, 1])) is not None  # out of the pool: not even its v1 samples
     del p.answers["b"]
     assert f.push({}, 3).live == ["a", "b", "c"]

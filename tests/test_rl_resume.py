@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
+from rl_runs import drop_timing, kill_tree
 from servers import openai_server, server_env
 from titan_rl_ext.rl.rollout import Generation, SamplingConfig, SingleTurnEnv, rollout_group, sample_seed
 from titan_rl_ext.rl.trainer import PromptCursor, PromptLedger, RLConfig, load_prompts
@@ -162,23 +162,6 @@ def _train(out: Path, base: str, env: dict[str, str], log_name: str) -> str:
     return log
 
 
-def _kill_tree(proc: subprocess.Popen[bytes]) -> int | None:
-    """SIGKILL torchrun and every process under it; torchrun's exit status. torchrun starts its workers
-    in sessions of their own, so killing its process group would leave the trainer running: collect the
-    tree first (a killed parent's children get re-parented), then kill each process by pid."""
-    root = psutil.Process(proc.pid)
-    procs = [*root.children(recursive=True), root]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    # wait_procs reaps torchrun (our child), so its status is read here, not from proc.wait()
-    gone, alive = psutil.wait_procs(procs, timeout=30)
-    assert not alive, f"still alive after SIGKILL: {alive}"
-    return next(p.returncode for p in gone if p.pid == proc.pid)
-
-
 def _train_and_kill_after_checkpoint(out: Path, base: str, env: dict[str, str], step: int, log_name: str) -> None:
     """Start the run and SIGKILL it as soon as its step-``step`` checkpoint is complete (DCP writes
     ``.metadata`` last), i.e. while it works on the next step."""
@@ -195,20 +178,12 @@ def _train_and_kill_after_checkpoint(out: Path, base: str, env: dict[str, str], 
                     raise AssertionError(f"no step-{step} checkpoint after 300 s")
                 time.sleep(0.02)  # polling the file system: there is nothing to wait on
         finally:
-            status = _kill_tree(proc)
+            status = kill_tree(proc)
     assert status == -signal.SIGKILL, f"torchrun ended with {status}, not by the SIGKILL"
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def _drop_timing(rec: dict[str, Any]) -> dict[str, Any]:
-    """A metrics record without what depends on timing: wall-clock quantities, and the window's
-    occupancy (producers admitted for the next step right after the push may or may not have started)."""
-    timing = ("time", "perf/", "swap/latency_s", "rollout/producer_wait_s_total", "rollout/buffered",
-              "rollout/in_flight")
-    return {k: v for k, v in rec.items() if not k.startswith(timing)}
 
 
 @pytest.mark.slow
@@ -252,8 +227,8 @@ def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, m
     # the point: the resumed step's loss is bit-equal (== on the JSON floats), and so is every other
     # non-timing metric (grad norm, rewards, bit_wise/*, versions)
     assert rec_b[-1]["loss"] == rec_a[-1]["loss"]
-    assert _drop_timing(rec_b[-1]) == _drop_timing(rec_a[-1])
-    assert [_drop_timing(r) for r in rec_b[:2]] == [_drop_timing(r) for r in rec_a[:2]]  # two fresh servers agree
+    assert drop_timing(rec_b[-1]) == drop_timing(rec_a[-1])
+    assert [drop_timing(r) for r in rec_b[:2]] == [drop_timing(r) for r in rec_a[:2]]  # two fresh servers agree
     assert all(r["bit_wise/logprob_diff/max"] == 0.0 for r in rec_a + rec_b)
     # non-zero advantages in every step, so the weights and the optimizer state carried through the
     # checkpoint really moved, and step 3's loss and gradient are not those of all-zero advantages

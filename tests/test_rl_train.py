@@ -106,6 +106,9 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
             assert r["bit_wise/ratio_tokens_different"] == 0.0
             assert r["staleness/max"] == 0 and r["rollout/dropped_stale"] == 0
             assert r["swap/latency_s"] > 0
+            # the push's phases (trainer: gather, post round, keeping the weights; server: its swap) fit in it
+            phases = r["swap/gather_s"] + r["swap/post_s"] + r["swap/remember_s"]
+            assert 0 < phases <= r["swap/latency_s"] and 0 < r["swap/server_swap_s"] <= r["swap/post_s"], r
             # held-out greedy evaluation every 2 steps and at the last step
             assert ("eval/reward_mean" in r) == (r["step"] in (2, 3)), r
             if "eval/reward_mean" in r:
@@ -247,3 +250,6 @@ def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "report" / "rl_gpu.json").read_text())
     assert summary["steps"] == 3 and summary["bi_step1_gap"] == 0.0 and summary["bi_stale_max_abs"] == 0.0
     assert summary["bi_full_step_tok_s"] > 0 and (tmp_path / "report" / "arms.png").is_file()
+    # an arm not run is null (valid JSON), not NaN; each arm says where its full step went
+    assert summary["native_full_step_tok_s"] is None and summary["ratio_bi_over_nonbi"] is None
+    assert summary["arms"]["titan_bi"]["train_s_median"] > 0 and summary["arms"]["titan_bi"]["wait_s_median"] >= 0

@@ -10,6 +10,8 @@
 #   bash tests/gpu/run_rl_e2e.sh titan
 #   bash tests/gpu/run_rl_e2e.sh native
 #   bash tests/gpu/run_rl_e2e.sh report     # arms.png + rl_gpu.json over the arms found in $OUT (TITAN_GIT names the commit)
+#   bash tests/gpu/run_rl_e2e.sh resume     # the BI window switch and a SIGKILLed trainer's resume, toy size
+#                                           # (tests/gpu/rl_window_resume.py): $OUT/window_resume.json
 # A stage that needs the checkpoint builds it first when this machine has none (a fresh lease).
 set -uo pipefail
 out=${OUT:-/tmp/rl-gpu}
@@ -32,7 +34,7 @@ save_triton_cache() {
     [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }
 }
 trap save_triton_cache EXIT
-what=${1:?stage: smoke | setup | titan_bi | titan | native | report}
+what=${1:?stage: smoke | setup | titan_bi | titan | native | report | resume}
 
 install() {
     [ -f /tmp/titan-site/.installed ] && return 0
@@ -72,6 +74,12 @@ smoke|titan_bi|titan|native)
     grep "RL step" "$out/$what.log" | sed -n '1,3p;$p' | cut -c60-
     [ $rc -eq 0 ] || { grep -v "^\[rank" "$out/$what.log" | tail -30; cp "$out/$what/server.log" "$out/${what}_server.log" 2>/dev/null; }
     python3 -m titan_rl_ext.tools.plot "$out/$what" > /dev/null 2>&1
+    ;;
+resume)
+    t=$(date +%s)
+    python3 tests/gpu/rl_window_resume.py "$out" > "$out/resume.log" 2>&1; rc=$?
+    echo "resume rc=$rc in $(( $(date +%s) - t )) s"; tail -25 "$out/resume.log"
+    exit $rc
     ;;
 report)
     arms=(); for a in native titan titan_bi; do [ -f "$out/$a/metrics.jsonl" ] && arms+=("$a=$out/$a"); done

@@ -57,7 +57,16 @@ class FleetPush:
     responses: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        return {"fleet/live": float(len(self.live)), "fleet/out": float(len(self.out))}
+        """Who serves the version, and where the push's wall time went: ``swap/post_s`` is the whole
+        request round (the slowest server), the rest the slowest server's own phases from its answer
+        (reading the body, waiting to get onto the engine loop, the swap itself)."""
+        out = {"fleet/live": float(len(self.live)), "fleet/out": float(len(self.out)), "swap/post_s": self.seconds}
+        for key, phase in (("receive_seconds", "swap/server_receive_s"), ("hop_seconds", "swap/server_hop_s"),
+                           ("swap_seconds", "swap/server_swap_s")):
+            seen = [float(r[key]) for r in self.responses.values() if isinstance(r.get(key), (int, float))]
+            if seen:
+                out[phase] = max(seen)
+        return out
 
 
 class GeneratorFleet:

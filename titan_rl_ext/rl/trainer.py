@@ -269,6 +269,7 @@ class RLTrainer(Trainer):
         self._pusher = WeightPusher(urls, token, transport=rl.weight_transport)
         self._fleet = GeneratorFleet(self._pusher)
         self._last_push: FleetPush | None = None
+        self._push_phases: dict[str, float] = {}
         self._sync_generator_bi(self._bi_at(self.step))  # before the first rollouts
         self._mlog = MetricsLogger(self.run_dir, config={"rl": config_dict(rl)})
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -309,10 +310,14 @@ class RLTrainer(Trainer):
         """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time."""
         t0 = time.perf_counter()
         sd = _served_state_dict(self.model_parts[0], self._compute)
+        t_gathered = time.perf_counter()
         if self.rank == 0:
             # generators that fail it leave the rollout pool until a later push reaches them
             self._last_push = self._fleet.push(sd, version, mode=self.config.rl.push_mode)
+            t_posted = time.perf_counter()
             self._stale.remember(version, sd)
+            # where the push's time goes (with the fleet's swap/post_s and the servers' phases)
+            self._push_phases = {"swap/gather_s": t_gathered - t0, "swap/remember_s": time.perf_counter() - t_posted}
         return time.perf_counter() - t0
 
     # -- the step ------------------------------------------------------------------------------
@@ -495,6 +500,7 @@ class RLTrainer(Trainer):
             "rollout/token_version_max": max(versions, default=-1),
             "swap/latency_s": swap_s,
             **(self._last_push.metrics() if self.rank == 0 and self._last_push is not None else {}),
+            **(self._push_phases if self.rank == 0 and swap_s == swap_s else {}),  # NaN: no push this step
             "perf/trainer/wait_s": t_taken - t_start,
             "perf/trainer/step_s": t_trained - t_taken,
             "perf/trainer/tokens_per_second_full_step": ntok / max(t_end - t_start, 1e-9),

@@ -47,6 +47,9 @@ def arm_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "stale_tokens": sum(int(r.get("bit_wise_stale/num_tokens", 0) or 0) for r in records),
         "full_step_tok_s": _median_after_first(records, M.TOKENS_PER_SECOND_FULL_STEP),
         "swap_s_median": _median_after_first(records, M.SWAP_LATENCY_S),
+        # a full step is wait (for the window's groups) + train + push: the largest bounds the arm
+        "wait_s_median": _median_after_first(records, M.TRAINER_WAIT_S),
+        "train_s_median": _median_after_first(records, M.TRAINER_STEP_S),
         "reward_first5": _mean(rewards[:5]),
         "reward_last5": _mean(rewards[-5:]),
     }
@@ -79,6 +82,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]], env: dict[str, Any]) -> dic
         "reward_last5": get("titan_bi", "reward_last5"),
         "arms": arms,
     }
+
+
+def _nan_to_null(obj: Any) -> Any:
+    """NaN (an arm not run, a metric not measured) as JSON null: NaN is not JSON."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_null(v) for k, v in obj.items()}
+    return obj
 
 
 def plot_arms(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(plot_arms(runs, out))
     summary = summarize(runs, json.loads(args.env))
     path = Path(args.json) if args.json else out / "rl_gpu.json"
-    path.write_text(json.dumps(summary, indent=1))
+    path.write_text(json.dumps(_nan_to_null(summary), indent=1, allow_nan=False))
     print(path)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("arms", "env")}, indent=1))
     return 0

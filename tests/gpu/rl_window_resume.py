@@ -1,0 +1,118 @@
+"""Issue 22, item 4 on the GPU: the BI window switch and a killed trainer's resume, with the GPU recipe's whole
+path (FSDP2 bf16 compute, a spawned vLLM generator on the same GPU, CUDA IPC pushes) at toy size.
+
+    python tests/gpu/rl_window_resume.py OUT_DIR      (run_rl_e2e.sh's `resume` stage runs it)
+
+Run A: ``rl_gpu_hybrid_toy``, 5 synchronous steps (``--rl.offpolicy 0``), a checkpoint every step, batch
+invariance on both sides for steps 1-3 only (``--rl.batch-invariant-from 1 --rl.batch-invariant-steps 3``).
+Run B: the same command, SIGKILLed (torchrun, the trainer and its generator) once its step-2 checkpoint is
+complete, then started again: it resumes at step 3 against a freshly spawned generator.
+
+Checked: A's gap is exactly 0 at steps 1-3 (fresh at 1, stale or fresh after) and nonzero at 4-5 (the window
+closed); B's step 3 after the resume equals A's step 3 -- loss, gradient norm, rewards, the completions and
+every other non-timing metric -- bit for bit (steps 1-3 run BI and per-request seeds fix the sampling, so the
+two runs are the same computation). Writes OUT_DIR/window_resume.json and exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STEPS, BI_STEPS, KILL_AFTER = 5, 3, 2
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers the CPU resume test uses
+from rl_runs import drop_timing, kill_tree  # noqa: E402
+
+
+def _dump(out: Path) -> Path:
+    """Checkpoints live outside OUT_DIR: only the runs' logs and metrics come back from the GPU machine."""
+    return Path(os.environ.get("TMPDIR", "/tmp")) / "rl_window_resume" / out.name
+
+
+def _cmd(out: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "titan_rl_ext.train",
+            "--module", "titan_rl_ext.configs", "--config", "rl_gpu_hybrid_toy", "--training.steps", str(STEPS),
+            "--rl.offpolicy", "0", "--rl.batch-invariant-from", "1", "--rl.batch-invariant-steps", str(BI_STEPS),
+            "--rl.run-dir", str(out / "run"), "--dump-folder", str(_dump(out)),
+            "--checkpoint.enable", "--checkpoint.interval", "1"]
+
+
+def _run(out: Path, log_name: str, kill_after: int | None = None) -> float:
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with (out / log_name).open("wb") as log:
+        proc = subprocess.Popen(_cmd(out), stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        if kill_after is None:
+            rc = proc.wait(timeout=900)
+            if rc != 0:
+                raise RuntimeError(f"{out.name}: the run failed ({rc}):\n" + (out / log_name).read_text()[-4000:])
+        else:
+            marker = _dump(out) / "checkpoint" / f"step-{kill_after}" / ".metadata"  # DCP writes it last
+            try:
+                while not marker.exists():
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{out.name}: exited ({proc.returncode}) before its step-{kill_after} "
+                                           "checkpoint:\n" + (out / log_name).read_text()[-4000:])
+                    time.sleep(0.05)  # polling the file system: there is nothing to wait on
+            finally:
+                kill_tree(proc)
+    return time.monotonic() - t0
+
+
+def _records(run: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "run" / name).read_text().splitlines()]
+
+
+def main(out: Path) -> int:
+    a, b = out / "resume_a", out / "resume_b"
+    for d in (a, b):
+        shutil.rmtree(_dump(d), ignore_errors=True)
+    secs = {"a": _run(a, "train.log"), "b_killed": _run(b, "train_killed.log", kill_after=KILL_AFTER),
+            "b_resumed": _run(b, "train_resumed.log")}
+    rec_a, rec_b = _records(a, "metrics.jsonl"), _records(b, "metrics.jsonl")
+    roll_a, roll_b = _records(a, "rollouts.jsonl"), _records(b, "rollouts.jsonl")
+    resumed_log = (b / "train_resumed.log").read_text()
+    gap = lambda r: max(r.get("bit_wise/logprob_diff/max", float("nan")), r.get("bit_wise_stale/logprob_diff/max", float("nan")))  # noqa: E731
+
+    def compared(r: dict[str, Any]) -> int:
+        return int(r.get("bit_wise/num_tokens", 0) or 0) + int(r.get("bit_wise_stale/num_tokens", 0) or 0)
+
+    b3 = next(r for r in rec_b if r["step"] == BI_STEPS)
+    a3 = next(r for r in rec_a if r["step"] == BI_STEPS)
+    checks = {
+        "a_steps": [r["step"] for r in rec_a] == list(range(1, STEPS + 1)),
+        "a_bi_flags": [r["batch_invariant"] for r in rec_a] == [1] * BI_STEPS + [0] * (STEPS - BI_STEPS),
+        # inside the window every compared token is bit-equal; outside it the kernels differ and so do the logprobs
+        "a_gap_zero_in_window": all(compared(r) > 0 and r["bit_wise_all/logprob_diff/max"] == 0.0 for r in rec_a[:BI_STEPS]),
+        "a_gap_nonzero_after": all(r["bit_wise_all/logprob_diff/max"] > 0.0 for r in rec_a[BI_STEPS:]),
+        "b_resumed_at_3": f"Training starts at step {KILL_AFTER + 1}" in resumed_log,
+        "b_steps": [r["step"] for r in rec_b][:BI_STEPS] == list(range(1, BI_STEPS + 1)),
+        "step3_loss_equal": b3["loss"] == a3["loss"],
+        "step3_metrics_equal": drop_timing(b3) == drop_timing(a3),
+        "step3_rollouts_equal": roll_b[BI_STEPS - 1] == roll_a[BI_STEPS - 1],
+        "steps_1_2_equal": [drop_timing(r) for r in rec_b[:KILL_AFTER]] == [drop_timing(r) for r in rec_a[:KILL_AFTER]],
+        "nonzero_gradients": all(r["grad_norm"] > 0 for r in rec_a[:BI_STEPS]),
+    }
+    summary = {
+        "checks": checks, "seconds": secs,
+        "a": [{k: r.get(k) for k in ("step", "batch_invariant", "loss", "grad_norm", "reward/mean",
+                                     "bit_wise_all/logprob_diff/max", "bit_wise/num_tokens", "bit_wise_stale/num_tokens")}
+              for r in rec_a],
+        "b_step3": {k: b3.get(k) for k in ("loss", "grad_norm", "reward/mean")},
+        "gap_max_per_step_a": [gap(r) for r in rec_a],
+    }
+    (out / "window_resume.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(json.dumps(summary, indent=1, default=str))
+    failed = [k for k, ok in checks.items() if not ok]
+    print("FAILED: " + ", ".join(failed) if failed else "window + resume: all checks hold")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

@@ -49,6 +49,8 @@ def _child(model_dir: str, batch_invariant: bool) -> dict[str, object]:
     with bi.batch_invariant(batch_invariant):
         for _ in range(2):
             model.zero_grad(set_to_none=True)
+            with torch.no_grad():  # the trainer's bit_wise recompute runs before the step's forward + backward
+                token_logprobs(model, tokens_T, batch)
             lp_T = token_logprobs(model, tokens_T, batch)
             ok_T = ~lp_T.isnan()
             loss = -(lp_T[ok_T] * adv_T[ok_T]).sum() / ok_T.sum()

@@ -92,8 +92,9 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
 
     with _tiny_rl_server(tmp_path, batch_invariant=True) as (srv, cache):
         log1 = _torchrun(tmp_path, cache, srv.base, 3, "train1.log", extra=("--rl.export-hf-dir", str(tmp_path / "export")))
-        # a fresh run admits the server only after comparing what it serves with the trainer's weights
-        assert "already serve version 0 (checksums match)" in log1, log1[-3000:]
+        # a fresh run admits the server only after comparing what it serves with the trainer's weights (after the
+        # kernel warm-up's forward and backward, which must leave them as they were)
+        assert "RL: kernels warmed in" in log1 and "already serve version 0 (checksums match)" in log1, log1[-3000:]
         run = tmp_path / "run"
         recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == [1, 2, 3] and [r["version"] for r in recs] == [1, 2, 3]
@@ -115,6 +116,13 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
                 assert r["eval/items"] == 16 and 0.0 <= r["eval/reward_mean"] <= 1.0
         # every token carries the version of the weights that sampled it: step k trains on version k-1
         rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+        # a full step runs from the last step's push to this one's: its parts add up to it, and from step 2 on
+        # it includes what the loop did between the steps (the last step's logging)
+        for r, rec in zip(recs, rolls):
+            ntok = sum(s["prompt_len"] + len(s["completion_ids"]) for g in rec["groups"] for s in g["samples"])
+            full_s = ntok / r["perf/trainer/tokens_per_second_full_step"]
+            parts = [r[f"perf/trainer/{k}"] for k in ("between_steps_s", "wait_s", "step_s")] + [r["swap/latency_s"]]
+            assert sum(parts) <= full_s * (1 + 1e-9) and (r["perf/trainer/between_steps_s"] > 0) == (r["step"] > 1), (r, full_s)
         for rec in rolls:
             samples = [s for g in rec["groups"] for s in g["samples"]]
             assert len(samples) == 4 * 8

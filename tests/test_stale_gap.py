@@ -60,3 +60,41 @@ def test_turns_on_both_sides_of_a_swap_compare_at_their_own_versions(tiny_ckpt) 
     # a turn at the current version is the trainer's main forward's to compare, not the stale gap's
     m_cur = gap.metrics([sample(1, 2, tags=(1, 3))], current=3, dtype=torch.float32, device=torch.device("cpu"))
     assert m_cur["bit_wise_stale/num_tokens"] == len(turn1) and m_cur["bit_wise_stale/samples_across_swaps"] == 1
+
+
+def test_kept_versions_are_copies_and_the_recompute_copies_nothing(tiny_ckpt) -> None:
+    """``remember`` copies (the trainer's optimizer updates its weights in place right after a push); the
+    recompute points the second model's parameters at the kept tensors instead of loading them (what makes
+    the metric cheap on a GPU), and gives the bits a freshly loaded model gives."""
+    import pytest
+
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.hf import load_hf_model
+    from titan_rl_ext.rl.logprobs import token_logprobs
+    from titan_rl_ext.rl.stale_gap import StaleGap
+
+    with pytest.raises(ValueError, match="stale gap device"):
+        StaleGap(keep=2, model_dir="unused", device="gpu")
+    model_dir = tiny_ckpt("qwen3_5", layout="text")
+    model, _ = load_hf_model(model_dir)
+    model.eval()
+    live = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    gap = StaleGap(keep=2, model_dir=str(model_dir))
+    gap.remember(1, live)
+    ids = [5, 9, 11, 40, 17, 33, 8]
+    with torch.no_grad():
+        want = token_logprobs(model, torch.tensor(ids), SeqBatch.from_lengths([len(ids)]))
+    for t in live.values():  # the optimizer step after the push
+        if t.is_floating_point():
+            t.add_(1.0)
+    smp = Sample(prompt_ids=ids[:4], completion_ids=ids[4:], gen_logprobs=want[4:].tolist(), token_versions=[1] * 3,
+                 loss_mask=[True] * 3, reward=0.0, finish_reason="stop", group_id=0, num_turns=1)
+    m = gap.metrics([smp], current=2, dtype=torch.float32, device=torch.device("cpu"))
+    assert m["bit_wise_stale/num_tokens"] == 3 and m["bit_wise_stale/logprob_diff/max"] == 0.0, m
+    kept = gap.history[1]
+    shared = [n for n, p in gap._scratch.named_parameters() if p.data_ptr() == kept[n].data_ptr()]
+    assert len(shared) == len(list(gap._scratch.named_parameters())) > 0
+    # the oldest version goes once keep are held
+    gap.remember(2, live)
+    gap.remember(3, live)
+    assert sorted(gap.history) == [2, 3]

@@ -22,6 +22,10 @@ class RLConfig:
     """The spawned server's ``--model-impl``: ``titan``, or ``auto`` for vLLM's native class (a baseline that
     still takes every push; its logprobs differ from the trainer's, BI or not)."""
     server_boot_timeout_s: float = 600.0
+    warm_kernels: bool = True
+    """Run one forward and backward of a synthetic step-sized batch before the first step (while a spawned
+    generator boots): a fresh machine compiles the trainer's kernels then, and a step too large for memory
+    fails before any rollout."""
     swap_token_env: str = TOKEN_ENV
     """Environment variable holding the generators' swap token (a spawned server gets a random one if unset)."""
     model_dir: str = ""
@@ -89,7 +93,10 @@ class RLConfig:
     """Keep the full weights of the last K pushed versions (CPU, rank 0) and recompute the tokens of samples
     generated entirely by one of them with those weights: ``bit_wise_stale/*``, the exact train/inference
     gap of off-policy tokens (``bit_wise/*`` covers only tokens of the version being trained). K =
-    ``offpolicy + 1`` covers every fresh-enough sample; each K costs a copy of the model in host memory."""
+    ``offpolicy + 1`` covers every fresh-enough sample; each K costs a copy of the model (``stale_gap_device``)."""
+    stale_gap_device: str = "auto"
+    """Where the kept versions live: ``auto`` (the trainer's GPU when K copies take at most a quarter of its
+    free memory -- no host copies per push or per recompute -- else the CPU) or ``cpu``."""
     run_dir: str = ""
     """Metrics/rollout logs; empty = ``<dump_folder>/rl``."""
     log_rollouts: bool = True

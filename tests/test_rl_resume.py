@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from rl_runs import drop_timing, kill_tree
+from rl_runs import drop_timing, kill_tree, records
 from servers import openai_server, server_env
 from titan_rl_ext.rl.rollout import Generation, SamplingConfig, SingleTurnEnv, rollout_group, sample_seed
 from titan_rl_ext.rl.trainer import PromptCursor, PromptLedger, RLConfig, load_prompts
@@ -182,10 +182,6 @@ def _train_and_kill_after_checkpoint(out: Path, base: str, env: dict[str, str], 
     assert status == -signal.SIGKILL, f"torchrun ended with {status}, not by the SIGKILL"
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.mark.slow
 def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     t0 = time.monotonic()
@@ -208,7 +204,7 @@ def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, m
         _train(a, srv_a.base, env, "train.log")
         t_a = time.monotonic()
         _train_and_kill_after_checkpoint(b, srv_b.base, env, 2, "train_killed.log")
-        killed = _records(b / "run" / "metrics.jsonl")
+        killed = records(b / "run" / "metrics.jsonl")
         assert [r["step"] for r in killed] == [1, 2], \
             f"the kill landed after step {killed[-1]['step']}, not between steps 2 and 3"
         assert not (b / "dump" / "checkpoint" / "step-3").exists()
@@ -218,7 +214,7 @@ def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, m
     assert f"prompt stream resumes at index {2 * PROMPTS_PER_STEP}" in log_b
     assert "already serve version 2" in log_b  # the killed run had pushed its step-2 weights
 
-    rec_a, rec_b = _records(a / "run" / "metrics.jsonl"), _records(b / "run" / "metrics.jsonl")
+    rec_a, rec_b = records(a / "run" / "metrics.jsonl"), records(b / "run" / "metrics.jsonl")
     assert [r["step"] for r in rec_a] == [1, 2, 3] and [r["step"] for r in rec_b] == [1, 2, 3]
     print(f"\nboot {t_boot - t0:.0f}s, run A {t_a - t_boot:.0f}s, run B (killed + resumed) {t_b - t_a:.0f}s")
     for ra, rb in zip(rec_a, rec_b):
@@ -237,7 +233,7 @@ def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, m
     assert all(r["grad_norm"] > 0 for r in rec_a), [r["grad_norm"] for r in rec_a]
     assert rec_a[-1]["reward/zero_variance_group_frac"] < 1 and rec_a[-1]["loss"] != 0.0
 
-    roll_a, roll_b = _records(a / "run" / "rollouts.jsonl"), _records(b / "run" / "rollouts.jsonl")
+    roll_a, roll_b = records(a / "run" / "rollouts.jsonl"), records(b / "run" / "rollouts.jsonl")
     assert [r["step"] for r in roll_b] == [1, 2, 3]
     # data order: step k trains on prompts [(k-1)*P, k*P) in both runs, in prompt order
     for k, (ra, rb) in enumerate(zip(roll_a, roll_b), start=1):

@@ -27,7 +27,7 @@ from typing import Any
 
 STEPS, BI_STEPS, KILL_AFTER = 5, 3, 2
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers the CPU resume test uses
-from rl_runs import drop_timing, kill_tree  # noqa: E402
+from rl_runs import drop_timing, kill_tree, records  # noqa: E402
 
 
 def _dump(out: Path) -> Path:
@@ -65,18 +65,14 @@ def _run(out: Path, log_name: str, kill_after: int | None = None) -> float:
     return time.monotonic() - t0
 
 
-def _records(run: Path, name: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "run" / name).read_text().splitlines()]
-
-
 def main(out: Path) -> int:
     a, b = out / "resume_a", out / "resume_b"
     for d in (a, b):
         shutil.rmtree(_dump(d), ignore_errors=True)
     secs = {"a": _run(a, "train.log"), "b_killed": _run(b, "train_killed.log", kill_after=KILL_AFTER),
             "b_resumed": _run(b, "train_resumed.log")}
-    rec_a, rec_b = _records(a, "metrics.jsonl"), _records(b, "metrics.jsonl")
-    roll_a, roll_b = _records(a, "rollouts.jsonl"), _records(b, "rollouts.jsonl")
+    rec_a, rec_b = records(a / "run" / "metrics.jsonl"), records(b / "run" / "metrics.jsonl")
+    roll_a, roll_b = records(a / "run" / "rollouts.jsonl"), records(b / "run" / "rollouts.jsonl")
     resumed_log = (b / "train_resumed.log").read_text()
     gap = lambda r: max(r.get("bit_wise/logprob_diff/max", float("nan")), r.get("bit_wise_stale/logprob_diff/max", float("nan")))  # noqa: E731
 

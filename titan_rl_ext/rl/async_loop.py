@@ -379,7 +379,8 @@ class AsyncRLLoop:
         return await take_watching(self.window, self.config.batch_groups, self.version, producers)
 
     async def run(self, num_steps: int) -> list[StepRecord]:
-        from titan_rl_ext.rl.metrics import rollout_metrics
+        from titan_rl_ext.rl.metrics import (SWAP_LATENCY_S, TOKENS_PER_SECOND_FULL_STEP, TRAINER_STEP_S,
+                                             TRAINER_WAIT_S, rollout_metrics)
 
         producers = [asyncio.create_task(self._produce()) for _ in range(self.config.num_producers)]
         try:
@@ -411,10 +412,10 @@ class AsyncRLLoop:
                     "rollout/dropped_stale_total": self.window.dropped_stale_total,
                     "rollout/mixed_version_groups": sum(g.mixed_versions for g in batch.groups) / len(batch.groups),
                     "rollout/producer_wait_s_total": self.window.producer_wait_s,
-                    "perf/trainer/wait_s": t_taken - last,
-                    "perf/trainer/step_s": t_trained - t_taken,
-                    "perf/trainer/tokens_per_second_full_step": tokens / full_s if full_s > 0 else float("nan"),
-                    "swap/latency_s": t_pushed - t_trained,
+                    TRAINER_WAIT_S: t_taken - last,
+                    TRAINER_STEP_S: t_trained - t_taken,
+                    TOKENS_PER_SECOND_FULL_STEP: tokens / full_s if full_s > 0 else float("nan"),
+                    SWAP_LATENCY_S: t_pushed - t_trained,
                     "version": new_version,
                     **dict(train_metrics),
                 }

@@ -7,6 +7,7 @@ row's bits do not depend on the rows packed with it), which keeps the parity met
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,9 +40,7 @@ def forward_backward(model: torch.nn.Module, packed: Any, adv_N: torch.Tensor, l
     from titan_rl_ext.rl.advantages import broadcast_to_tokens
     from titan_rl_ext.rl.logprobs import token_logprobs
 
-    starts = [0]
-    for n in packed.lengths:
-        starts.append(starts[-1] + n)
+    starts = list(itertools.accumulate(packed.lengths, initial=0))
     lps, loss, parts = [], torch.zeros((), device=packed.tokens_T.device), []
     for lo, hi in loss_chunks(packed.lengths, max_tokens):
         t = slice(starts[lo], starts[hi])

@@ -148,7 +148,6 @@ class RLTrainer(Trainer):
         self._load_hf_weights(rl.model_dir)
         self._link: GeneratorLink | None = None  # rank 0: the generators (spawned server, pusher, fleet)
         self._service: RolloutService | None = None
-        self._push_phases: dict[str, float] = {}
         self._t_prev_end: float | None = None  # the last step's end (perf/trainer/tokens_per_second_full_step)
         self._stale = StaleGap(rl.stale_gap_versions, rl.model_dir, rl.stale_gap_device)  # bit_wise_stale/*
         self._eval_items: list[Any] = []
@@ -269,8 +268,8 @@ class RLTrainer(Trainer):
             lp_T[~lp_T.isnan()].sum().backward()
         self.optimizers.zero_grad(set_to_none=True)
         if self.rank == 0:
-            logger.info("RL: kernels warmed in %.1f s (%d tokens) while the generator boots", time.perf_counter() - t0,
-                        sum(lens))
+            logger.info("RL: kernels warmed in %.1f s (%d tokens)%s", time.perf_counter() - t0, sum(lens),
+                        " while the generator boots" if rl.spawn_server else "")
 
     def _bi_at(self, step: int) -> bool:
         rl = self.config.rl
@@ -281,18 +280,21 @@ class RLTrainer(Trainer):
         if self.rank == 0:
             self._link.set_batch_invariant(enabled)
 
-    def _push(self, version: int) -> float:
-        """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time."""
+    def _push(self, version: int) -> dict[str, float]:
+        """All ranks gather the full state dict; rank 0 pushes it. Returns the push wall time and, on rank 0,
+        where it went (with the fleet's ``swap/post_s`` and the servers' phases, ``FleetPush.metrics``)."""
+        from titan_rl_ext.rl.metrics import SWAP_LATENCY_S
+
         t0 = time.perf_counter()
         sd = _served_state_dict(self.model_parts[0], self._compute)
         t_gathered = time.perf_counter()
-        if self.rank == 0:
-            self._link.push(sd, version)
-            t_posted = time.perf_counter()
-            self._stale.remember(version, sd)
-            # where the push's time goes (with the fleet's swap/post_s and the servers' phases)
-            self._push_phases = {"swap/gather_s": t_gathered - t0, "swap/remember_s": time.perf_counter() - t_posted}
-        return time.perf_counter() - t0
+        if self.rank != 0:
+            return {SWAP_LATENCY_S: time.perf_counter() - t0}
+        self._link.push(sd, version)
+        t_posted = time.perf_counter()
+        self._stale.remember(version, sd)
+        t_end = time.perf_counter()
+        return {SWAP_LATENCY_S: t_end - t0, "swap/gather_s": t_gathered - t0, "swap/remember_s": t_end - t_posted}
 
     # -- the step ------------------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -337,9 +339,9 @@ class RLTrainer(Trainer):
         bw = self._parity_metrics(ro, packed, lp_re_T)
         grad_norm, lr_metrics = self._optimizer_step(ro)
         t.append(time.perf_counter())
-        swap_s = self._push_and_publish()
+        push_m = self._push_and_publish()
         t.append(time.perf_counter())
-        self._log_step(ro, bi, loss, lmetrics, grad_norm, lr_metrics, bw, swap_s, t)
+        self._log_step(ro, bi, loss, lmetrics, grad_norm, lr_metrics, bw, push_m, t)
         last = self.step >= self.config.training.steps
         if last and self.config.rl.final_checksums:
             self._write_final_checksums()
@@ -425,22 +427,26 @@ class RLTrainer(Trainer):
         self.prompt_cursor = ro.cursor
         return grad_norm, lr_metrics
 
-    def _push_and_publish(self) -> float:
+    def _push_and_publish(self) -> dict[str, float]:
         """4. Every ``push_every`` steps (and at the last): push the new weights, switch the generators' BI
-        setting for the next step, publish the version to the rollout window. Returns the push seconds."""
+        setting for the next step, publish the version to the rollout window. Returns the push's metrics
+        (``swap/latency_s`` NaN when this step does not push)."""
+        from titan_rl_ext.rl.metrics import SWAP_LATENCY_S
+
         rl = self.config.rl
         if not (self.step % rl.push_every == 0 or self.step >= self.config.training.steps):
-            return float("nan")
-        swap_s = self._push(self.rl_version)
+            return {SWAP_LATENCY_S: float("nan")}
+        push_m = self._push(self.rl_version)
         if self.rank == 0:
             self._sync_generator_bi(self._bi_at(self.step + 1))  # the next step's groups come from here
             self._service.publish(self.rl_version)
-        return swap_s
+        return push_m
 
     def _log_step(self, ro: _Rollouts, bi: bool, loss: torch.Tensor, lmetrics: dict[str, Any], grad_norm: torch.Tensor,
-                  lr_metrics: dict[str, Any], bw: dict[str, float], swap_s: float, t: list[float]) -> None:
+                  lr_metrics: dict[str, Any], bw: dict[str, float], push_m: dict[str, float], t: list[float]) -> None:
         """5. Metrics (``RUN_DIR/metrics.jsonl``, rollouts, torchtitan's processor) and the evaluation."""
         from titan_rl_ext.rl.advantages import zero_variance_groups
+        from titan_rl_ext.rl import metrics as M
         from titan_rl_ext.rl.metrics import loss_metrics, rollout_metrics
 
         rl = self.config.rl
@@ -476,13 +482,12 @@ class RLTrainer(Trainer):
             "rollout/mixed_version_groups": ro.mixed / len(groups),
             "rollout/token_version_min": min(versions, default=-1),
             "rollout/token_version_max": max(versions, default=-1),
-            "swap/latency_s": swap_s,
             **(self._link.last_push.metrics() if self.rank == 0 and self._link.last_push is not None else {}),
-            **(self._push_phases if self.rank == 0 and swap_s == swap_s else {}),  # NaN: no push this step
-            "perf/trainer/between_steps_s": t_start - t_prev,
-            "perf/trainer/wait_s": t_taken - t_start,
-            "perf/trainer/step_s": t_trained - t_taken,
-            "perf/trainer/tokens_per_second_full_step": ntok / max(t_end - t_prev, 1e-9),
+            **push_m,
+            M.TRAINER_BETWEEN_S: t_start - t_prev,
+            M.TRAINER_WAIT_S: t_taken - t_start,
+            M.TRAINER_STEP_S: t_trained - t_taken,
+            M.TOKENS_PER_SECOND_FULL_STEP: ntok / max(t_end - t_prev, 1e-9),
             "perf/trainer/tokens_per_second_train": ntok / max(t_trained - t_taken, 1e-9),
             **{f"lr/{k}": float(v) for k, v in lr_metrics.items()},
         }
@@ -501,7 +506,7 @@ class RLTrainer(Trainer):
                 self.rl_version, metrics.get("reward/mean", float("nan")), loss_v, bw["bit_wise/logprob_diff/abs_mean"],
                 bw["bit_wise/num_tokens"], bw.get("bit_wise_stale/logprob_diff/abs_mean", float("nan")),
                 bw.get("bit_wise_stale/num_tokens", 0), bw["bit_wise_all/logprob_diff/abs_mean"],
-                metrics["perf/trainer/tokens_per_second_full_step"], swap_s,
+                metrics[M.TOKENS_PER_SECOND_FULL_STEP], push_m[M.SWAP_LATENCY_S],
             )
         # torchtitan's console/TensorBoard logger
         if self.metrics_processor.should_log(self.step):

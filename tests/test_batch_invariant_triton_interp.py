@@ -15,12 +15,10 @@ bf16 ulp rather than half an ulp.
 from __future__ import annotations
 
 import importlib.util
-import os
-import time
 
 import pytest
 
-from triton_interp import run_checks_under_interpreter
+from triton_interp import run_checks, run_checks_under_interpreter
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -217,12 +215,7 @@ def _check_attention() -> None:
 
 
 def _main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    for check in (_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_attention):
-        t0 = time.time()
-        check()
-        print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")
-    print("ALL OK")
+    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_attention))
 
 
 if __name__ == "__main__":

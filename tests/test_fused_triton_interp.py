@@ -19,12 +19,10 @@ leak into other tests). Skipped where triton is missing.
 from __future__ import annotations
 
 import importlib.util
-import os
-import time
 
 import pytest
 
-from triton_interp import run_checks_under_interpreter
+from triton_interp import run_checks, run_checks_under_interpreter
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -265,13 +263,8 @@ def _check_grouped_mm() -> None:
 
 
 def _main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    for check in (_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_head_grad,
-                  _check_grouped_mm):
-        t0 = time.time()
-        check()
-        print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")
-    print("ALL OK")
+    run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_head_grad,
+                  _check_grouped_mm))
 
 
 if __name__ == "__main__":

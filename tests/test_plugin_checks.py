@@ -29,6 +29,16 @@ def test_kv_cache_dtype_problem_names_the_setting() -> None:
     assert msg is not None and "--kv-cache-dtype" in msg and "'fp8'" in msg and "float32" in msg
 
 
+def test_gdn_recurrent_kernel_problem_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TITAN_GDN_RECURRENT", raising=False)
+    assert checks.gdn_recurrent_kernel_problem() is None
+    monkeypatch.setenv("TITAN_GDN_RECURRENT", "titan")
+    assert checks.gdn_recurrent_kernel_problem() is None
+    monkeypatch.setenv("TITAN_GDN_RECURRENT", "triton")
+    msg = checks.gdn_recurrent_kernel_problem()
+    assert msg is not None and "TITAN_GDN_RECURRENT='triton'" in msg and "fla, titan" in msg
+
+
 def test_attention_head_size_problem_asks_the_backend() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

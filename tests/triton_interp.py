@@ -1,7 +1,7 @@
 """Run a test file's own checks in a subprocess under the Triton interpreter (CPU).
 
 ``TRITON_INTERPRET=1`` must be set before a kernel is defined and must not leak into other tests, so each
-interpreter test module executes itself as a script (its ``_main`` prints "ALL OK") in a fresh process.
+interpreter test module executes itself as a script (``run_checks`` prints "ALL OK") in a fresh process.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +24,13 @@ def run_checks_under_interpreter(test_file: str, timeout_s: float = 300) -> None
     assert r.returncode == 0, f"interpreter checks failed:\n{r.stdout}\n{r.stderr}"
     assert "ALL OK" in r.stdout, r.stdout
     print(r.stdout, f"(subprocess {time.time() - t0:.1f}s)")
+
+
+def run_checks(checks: Iterable[Callable[[], None]]) -> None:
+    """The script side: run each check under the interpreter, timing it; "ALL OK" once all have passed."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    for check in checks:
+        t0 = time.time()
+        check()
+        print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")
+    print("ALL OK")

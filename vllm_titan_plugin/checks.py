@@ -25,6 +25,18 @@ def batch_invariance_problem(vllm_config: Any) -> str | None:
     return kv_cache_dtype_problem(vllm_config)
 
 
+def gdn_recurrent_kernel_problem() -> str | None:
+    """``TITAN_GDN_RECURRENT`` names the kernel of every recurrent GDN forward; a typo would otherwise raise
+    inside the first GDN forward of the first request."""
+    from titan_rl_ext.kernels.gdn import recurrent_kernel
+
+    try:
+        recurrent_kernel()
+    except ValueError as e:
+        return f"--model-impl titan: {e}"
+    return None
+
+
 def attention_head_size_problem(backend: Any, head_size: int) -> str | None:
     """vLLM's attention backends accept a fixed set of head sizes but only say so inside the first
     forward (which kills the engine then): ask the backend at start-up instead."""

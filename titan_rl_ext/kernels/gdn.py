@@ -212,6 +212,8 @@ def _fla_gated_delta_rule(
     N = cu_seqlens.numel() - 1
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, initial_state))
     recurrent = mode == "recurrent" or (q.shape[0] <= 2 * N and not needs_grad)  # recurrent has no backward
+    if recurrent and recurrent_kernel() == "titan":
+        return _titan_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     if needs_grad and not recurrent:
         allow_fla_chunk_backward()
     fn = fused_recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
@@ -266,6 +268,29 @@ def fla_available() -> bool:
     return True
 
 
+RECURRENT_ENV = "TITAN_GDN_RECURRENT"
+RECURRENT_KERNELS = ("fla", "titan")
+
+
+def recurrent_kernel() -> str:
+    """Which kernel runs recurrent forwards on CUDA (BI mode's forward everywhere, decode-sized non-BI calls):
+    ``TITAN_GDN_RECURRENT`` = ``fla`` (default: FLA's ``fused_recurrent``) or ``titan`` (``kernels.gdn_triton``).
+    The two round differently, so the trainer and every generator of a run must name the same one."""
+    name = os.environ.get(RECURRENT_ENV, "fla")
+    if name not in RECURRENT_KERNELS:
+        raise ValueError(f"{RECURRENT_ENV}={name!r}: expected one of {', '.join(RECURRENT_KERNELS)}")
+    return name
+
+
+def _titan_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    cu_seqlens: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
+
+    return gated_delta_rule_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,11 +301,18 @@ def gated_delta_rule(
     scale: float,
     initial_state: torch.Tensor | None = None,
     mode: GDNMode = "chunk",
-    backend: Literal["auto", "torch", "fla"] = "auto",
+    backend: Literal["auto", "torch", "fla", "titan"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: FLA's Triton kernels on CUDA when installed, the torch implementations otherwise."""
+    """Dispatch: FLA's Triton kernels on CUDA when installed, the torch implementations otherwise; recurrent
+    forwards on CUDA take the project's kernel when ``recurrent_kernel()`` says ``titan`` (FLA not needed).
+    ``backend="titan"`` asks for that kernel (recurrent, forward only) wherever triton runs."""
     if backend == "auto":
         backend = "fla" if q.is_cuda and fla_available() else "torch"
+        if q.is_cuda and mode == "recurrent" and recurrent_kernel() == "titan":
+            backend = "titan"
+    if backend == "titan":
+        _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
+        return _titan_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     if backend == "fla":
         _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
         return _fla_gated_delta_rule(mode, q, k, v, g, beta, cu_seqlens, scale, initial_state)
@@ -308,7 +340,7 @@ class _RecurrentForwardChunkBackward(torch.autograd.Function):
         with torch.enable_grad():
             # FLA's chunk backward on CUDA (its Hopper guard overridden: see allow_fla_chunk_backward), else
             # the torch chunked form; either way the chunked form's gradient at the same inputs
-            if q.is_cuda and ctx.backend in ("auto", "fla") and fla_chunk_backward_allowed():
+            if q.is_cuda and ctx.backend in ("auto", "fla", "titan") and fla_chunk_backward_allowed():
                 o, final = gated_delta_rule(*inputs[:5], cu, ctx.scale, inputs[5], "chunk", "fla")
             else:
                 o, final = chunk_gated_delta_rule_torch(*inputs[:5], cu, ctx.scale, inputs[5])
@@ -331,7 +363,7 @@ def gated_delta_rule_bi(
     cu_seqlens: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None = None,
-    backend: Literal["auto", "torch", "fla"] = "auto",
+    backend: Literal["auto", "torch", "fla", "titan"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant mode: recurrent kernel forward (trainer, prefill and decode alike), chunked backward."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):

@@ -1,0 +1,201 @@
+"""The project's recurrent gated-delta-rule kernel (``kernels.gdn_triton``) on CPU under the Triton interpreter,
+against the token-by-token reference (``kernels.gdn.recurrent_gated_delta_rule_torch``).
+
+What must hold exactly (``torch.equal``), because BI parity rests on it -- the trainer runs a whole sequence
+in one call, the generator a prefill split anywhere and then one token per call with the state carried:
+- one call == the same tokens split into calls at any points, state carried == one token per call;
+- a sequence alone == the same sequence packed among others, in any order, beside an empty one;
+- a strided head view of a wider buffer (how the layer hands q/k/v over) == a contiguous copy;
+- loading one token ahead (``prefetch``) changes when the inputs arrive, not the arithmetic.
+What holds to a tolerance: the values against the reference -- fp32 outputs and states 2e-6 (the rearranged
+step rounds differently: ``(dS)^T k`` is computed as ``d (S^T k)``); bf16 outputs two bf16 ulps (the
+interpreter's fp32 -> bf16 cast truncates); the fused q/k norm and gates against ``kernels.rows``' references
+run first, 2e-6 (with beta truncated to bf16 as the interpreter's cast does).
+
+Runs in a subprocess with ``TRITON_INTERPRET=1``. Skipped where triton is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from triton_interp import run_checks, run_checks_under_interpreter
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_gdn_recurrent_kernel_under_interpreter() -> None:
+    run_checks_under_interpreter(__file__)
+
+
+# ------------------------------------------------------------------------------------------------
+# the checks, run in the subprocess
+
+H, HV, K, V = 2, 4, 24, 20  # grouped value heads; K and V not powers of two (masked lanes); V over 3 blocks of 8
+
+
+def _inputs(lens: list[int], dtype, seed: int = 0):  # type: ignore[no-untyped-def]
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    k = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    v = torch.randn(T, HV, V, generator=g).to(dtype)
+    gate = -torch.rand(T, HV, generator=g) * 0.5
+    beta = torch.rand(T, HV, generator=g).to(dtype)
+    s0 = torch.randn(len(lens), HV, K, V, generator=g) * 0.1
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, gate, beta, s0, cu
+
+
+def _check_values() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import gdn_triton as gt
+    from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
+
+    for cfg in (gt.CONFIG, gt.RecurrentConfig(merged=False), gt.RecurrentConfig(BV=4, prefetch=False)):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, g, beta, s0, cu = _inputs([5, 0, 9, 1], dtype)
+            for state in (s0, None):
+                o, s = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, K**-0.5, state, config=cfg)
+                o_ref, s_ref = recurrent_gated_delta_rule_torch(q, k, v, g, beta, cu, K**-0.5, state)
+                assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (4, HV, K, V)
+                torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=2e-6)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(o, o_ref, rtol=2e-6, atol=2e-6)
+                else:
+                    torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
+                # the empty sequence's final state is its initial state
+                assert torch.equal(s[1], s0[1] if state is not None else torch.zeros_like(s[1]))
+
+
+def _check_splits_and_decode() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import gdn_triton as gt
+
+    q, k, v, g, beta, s0, cu = _inputs([11], torch.bfloat16, seed=1)
+    scale = K**-0.5
+    o_all, s_all = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0)
+    for cuts in ([4], [1, 2, 7], list(range(1, 11))):  # a split prefill, then one token per call (decode)
+        bounds = [0, *cuts, 11]
+        state, outs = s0, []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            one = torch.tensor([0, b - a], dtype=torch.int32)
+            o, state = gt.gated_delta_rule_recurrent(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], one, scale, state)
+            outs.append(o)
+        assert torch.equal(torch.cat(outs), o_all), cuts
+        assert torch.equal(state, s_all), cuts
+    # prefetch on/off: the same arithmetic
+    o_np, s_np = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0, config=gt.RecurrentConfig(prefetch=False))
+    assert torch.equal(o_np, o_all) and torch.equal(s_np, s_all)
+
+
+def _check_batch_invariance_and_views() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import gdn_triton as gt
+
+    lens = [6, 0, 13, 3]
+    q, k, v, g, beta, s0, cu = _inputs(lens, torch.bfloat16, seed=2)
+    scale = K**-0.5
+    o, s = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0)
+    bounds = cu.tolist()
+    for n in range(len(lens)):
+        a, b = bounds[n], bounds[n + 1]
+        one = torch.tensor([0, b - a], dtype=torch.int32)
+        o1, s1 = gt.gated_delta_rule_recurrent(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], one, scale, s0[n : n + 1])
+        assert torch.equal(o1, o[a:b]) and torch.equal(s1[0], s[n]), n
+    # reversed packing order
+    order = list(reversed(range(len(lens))))
+    cat = lambda x: torch.cat([x[bounds[n] : bounds[n + 1]] for n in order])  # noqa: E731
+    cu_r = torch.tensor([0, *torch.tensor([lens[n] for n in order]).cumsum(0).tolist()], dtype=torch.int32)
+    o_r, s_r = gt.gated_delta_rule_recurrent(cat(q), cat(k), cat(v), cat(g), cat(beta), cu_r, scale, s0[order])
+    assert torch.equal(o_r, cat(o)) and torch.equal(s_r, s[order])
+    # q/k/v as head views of one wide buffer (the conv output), g/beta as column views: read in place
+    T = sum(lens)
+    wide = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.float().reshape(T, -1)], dim=1)
+    qv = wide[:, : H * K].view(T, H, K)
+    kv = wide[:, H * K : 2 * H * K].view(T, H, K)
+    gb = torch.cat([g, beta.float()], dim=1)
+    o_v, s_v = gt.gated_delta_rule_recurrent(qv, kv, v, gb[:, :HV], beta, cu, scale, s0)
+    assert qv.stride(0) == wide.shape[1] and not qv.is_contiguous()
+    assert torch.equal(o_v, o) and torch.equal(s_v, s)
+
+
+def _check_fused_prep() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import gdn_triton as gt
+    from titan_rl_ext.kernels import rows
+
+    gen = torch.Generator().manual_seed(3)
+    lens = [7, 5]
+    T = sum(lens)
+    q_raw = torch.randn(T, H, K, generator=gen).bfloat16()
+    k_raw = torch.randn(T, H, K, generator=gen).bfloat16()
+    v = torch.randn(T, HV, V, generator=gen).bfloat16()
+    a = torch.randn(T, HV, generator=gen).bfloat16()
+    b = torch.randn(T, HV, generator=gen).bfloat16()
+    a[0, 0] = 30.0  # softplus past its threshold
+    A_log = torch.rand(HV, generator=gen) * 2
+    dt_bias = torch.randn(HV, generator=gen).bfloat16()
+    s0 = torch.randn(len(lens), HV, K, V, generator=gen) * 0.1
+    cu = torch.tensor([0, 7, 12], dtype=torch.int32)
+    scale = K**-0.5
+    g_ref, beta_ref = rows.gdn_gates_torch(a, b, A_log, dt_bias)
+    # the interpreter's fp32 -> bf16 cast truncates where the GPU rounds: the kernel's beta is sigmoid(b)
+    # truncated to bf16 here, so the reference takes the same (one bf16 ulp of beta moves the state ~4e-3)
+    beta_ref = (torch.sigmoid(b.float()).view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    o_ref, s_ref = gt.gated_delta_rule_recurrent(
+        rows.l2norm_torch(q_raw), rows.l2norm_torch(k_raw), v, g_ref, beta_ref, cu, scale, s0)
+    fused = dict(A_log=A_log, dt_bias=dt_bias, norm_qk=True)
+    o, s = gt.gated_delta_rule_recurrent(q_raw, k_raw, v, a, b, cu, scale, s0, **fused)
+    torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
+    # fused prep, decode: one token per call gives the one call's bits
+    state, outs = s0[1:], []
+    for t in range(7, 12):
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        o_t, state = gt.gated_delta_rule_recurrent(q_raw[t : t + 1], k_raw[t : t + 1], v[t : t + 1], a[t : t + 1],
+                                                   b[t : t + 1], one, scale, state, **fused)
+        outs.append(o_t)
+    assert torch.equal(torch.cat(outs), o[7:]) and torch.equal(state[0], s[1])
+
+
+def _check_dispatch_and_errors() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import gdn
+    from titan_rl_ext.kernels import gdn_triton as gt
+
+    q, k, v, g, beta, s0, cu = _inputs([4, 3], torch.bfloat16, seed=4)
+    direct = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, 0.5, s0)
+    via = gdn.gated_delta_rule(q, k, v, g, beta, cu, 0.5, s0, mode="recurrent", backend="titan")
+    assert torch.equal(direct[0], via[0]) and torch.equal(direct[1], via[1])
+    bad = [
+        lambda: gt.gated_delta_rule_recurrent(q, k[:, :1], v, g, beta, cu, 0.5),  # k heads differ
+        lambda: gt.gated_delta_rule_recurrent(q, k, v[:, :3], g, beta, cu, 0.5),  # HV not a multiple of H
+        lambda: gt.gated_delta_rule_recurrent(q, k, v, g[:, :2], beta, cu, 0.5),  # g shape
+        lambda: gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, 0.5, s0[:1]),  # one state for two seqs
+        lambda: gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, 0.5, A_log=torch.zeros(HV)),  # no dt_bias
+    ]
+    for fn in bad:
+        try:
+            fn()
+        except ValueError:
+            continue
+        raise AssertionError("bad input accepted")
+
+
+def _main() -> None:
+    run_checks((_check_values, _check_splits_and_decode, _check_batch_invariance_and_views, _check_fused_prep,
+                  _check_dispatch_and_errors))
+
+
+if __name__ == "__main__":
+    _main()

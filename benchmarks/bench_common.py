@@ -284,8 +284,9 @@ def two_packings(lengths: list[int], vocab: int, dev: torch.device, seed: int = 
 
 # kernel-name keywords -> category (heuristic, first match wins)
 KERNEL_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("BI GEMM (triton _bi_mm)", ("_bi_mm_kernel",)),
+    ("BI GEMM (triton _bi_mm)", ("_bi_mm_kernel", "_bi_mm_tma_kernel")),
     ("BI row reduction (triton)", ("_row_sum_sq",)),
+    ("GDN recurrent (titan)", ("_gdn_recurrent_kernel",)),
     ("FLA recurrent", ("fused_recurrent",)),
     ("FLA chunk", ("chunk", "wy_repr", "solve_tril", "recompute_w_u", "l2norm")),
     ("triton fused (inductor / vLLM)", ("triton_",)),

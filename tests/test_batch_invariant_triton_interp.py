@@ -154,6 +154,42 @@ def _check_gemm_fp32_out() -> None:
             assert torch.equal(tri.bi_matmul(x[s : s + n], w.t(), out_dtype=torch.float32), y[s : s + n])
 
 
+def _check_gemm_configs() -> None:
+    """Every launch shape of the GEMM gives the default's bits: output tiles, persistent grid or one program
+    per tile, pointer loads or TMA descriptors (zero-filled out-of-bounds boxes in place of masks), K and N
+    tails included; a weight TMA cannot read (a column-major copy) takes the pointer kernel, same bits."""
+    import dataclasses
+
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant_triton as tri
+
+    g = torch.Generator().manual_seed(5)
+    for dtype, K in ((torch.bfloat16, 136), (torch.float32, 72)):  # K: a tail past the last BLOCK_K, rows 16B aligned
+        x = torch.randn(70, K, generator=g).to(dtype)
+        w = torch.randn(40, K, generator=g).to(dtype)
+        base = tri.mm_config(70, dtype)
+        y = tri.bi_matmul(x, w.t())
+        for cfg in (dataclasses.replace(base, BLOCK_M=16, BLOCK_N=32), dataclasses.replace(base, persistent=False),
+                    dataclasses.replace(base, tma=True), dataclasses.replace(base, BLOCK_M=32, BLOCK_N=16, tma=True,
+                                                                             persistent=False)):
+            assert torch.equal(tri.bi_matmul(x, w.t(), config=cfg), y), cfg
+            assert torch.equal(tri.bi_matmul(x[3:4], w.t(), config=cfg), y[3:4]), cfg
+        tma = dataclasses.replace(base, tma=True)
+        assert tri._tma_weight(w.t().contiguous()) is None  # [K, N] row-major: not TMA-readable as [N, K]
+        assert torch.equal(tri.bi_matmul(x, w.t().contiguous(), config=tma), y)
+    # the fp32 head under TMA: bf16 operands, fp32 accumulator out
+    x = torch.randn(33, 64, generator=g).bfloat16()
+    w = torch.randn(50, 64, generator=g).bfloat16()
+    y = tri.bi_matmul(x, w.t(), out_dtype=torch.float32)
+    cfg = dataclasses.replace(tri.mm_config(33, torch.bfloat16), tma=True)
+    assert torch.equal(tri.bi_matmul(x, w.t(), out_dtype=torch.float32, config=cfg), y)
+    # mixed dtypes under TMA: fp32 activations, bf16 weight widened per tile
+    xf = torch.randn(9, 64, generator=g)
+    cfg = dataclasses.replace(tri.mm_config(9, torch.float32), tma=True)
+    assert torch.equal(tri.bi_matmul(xf, w.t(), config=cfg), tri.bi_matmul(xf, w.float().t()))
+
+
 def _check_attention() -> None:
     """The BI flash-attention forward: packed = alone = paged chunk = decode step, bit for bit; close to
     float64 and to the plain-PyTorch reference ``attention_bi``."""
@@ -215,7 +251,7 @@ def _check_attention() -> None:
 
 
 def _main() -> None:
-    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_attention))
+    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_gemm_configs, _check_attention))
 
 
 if __name__ == "__main__":

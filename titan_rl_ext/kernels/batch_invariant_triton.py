@@ -8,9 +8,10 @@ Stock GPU GEMMs break it because their library picks tiles, and often split-K, f
   accumulator, so the bits of ``c[m, n]`` depend only on ``a[m, :]``, ``b[:, n]``, K and the dtype. The
   output tile (``BLOCK_M x BLOCK_N``) is smaller for decode-sized M; that changes which program computes
   an output, not how (measured bit-equal on the GPU: ``_SMALL_M_CONFIGS``).
-  The grid is persistent (a fixed number of programs loop over the tiles); which program computes a
-  tile changes with M, how it is computed does not. ``M`` is excluded from Triton's integer
-  specialisation (``do_not_specialize``) so M == 1 or M % 16 == 0 compiles the same kernel.
+  The grid is persistent (a fixed number of programs loop over the tiles) or one program per tile, and
+  the operands come through pointers or TMA descriptors (``MMConfig``); which program computes a tile,
+  and how its operands reach shared memory, change nothing in how it is computed. ``M`` is excluded from
+  Triton's integer specialisation (``do_not_specialize``) so M == 1 or M % 16 == 0 compiles the same kernel.
 - ``row_sum_sq`` / ``row_mean_sq``: one program per row, a fixed ``BLOCK_D`` strip looping over D,
   fp32 lane accumulators then one tree reduction. The order depends on D alone.
 
@@ -24,6 +25,7 @@ CPU tensors, which is how the CPU test suite checks it.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,55 +35,89 @@ import triton.language as tl
 # batch invariant, but changes the bits; every process of a run must use the same setting.
 FP32_INPUT_PRECISION = "ieee"
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) per input dtype. Fixed: never tuned by M.
-_MM_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int, int]] = {
-    torch.bfloat16: (128, 128, 64, 8, 8, 3),
-    torch.float16: (128, 128, 64, 8, 8, 3),
-    torch.float32: (128, 128, 32, 8, 8, 3),
+
+@dataclass(frozen=True)
+class MMConfig:
+    """How ``bi_matmul`` tiles one launch. A row's bits depend on how its K reduction runs (``BLOCK_K`` steps in
+    ascending order into one fp32 accumulator), not on which program computes its tile: on the H200 every
+    configuration measured gives the default's bits (``tests/gpu/bi_gemm_tiles.py``), which is what lets the
+    tile follow M. ``persistent``: a fixed number of programs (one per SM) loop over the tiles; otherwise one
+    program per tile. ``tma``: operands arrive through TMA descriptors (Hopper and later; the weight must be a
+    row-major ``[N, K]`` with 16-byte aligned rows, else the pointer kernel runs)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = True
+    tma: bool = False
+
+
+_MM_CONFIGS: dict[torch.dtype, MMConfig] = {
+    torch.bfloat16: MMConfig(128, 128, 64),
+    torch.float16: MMConfig(128, 128, 64),
+    torch.float32: MMConfig(128, 128, 32),
 }
 # Decode-sized M: smaller output tiles, more of them (one 128x128 tile per program leaves most SMs idle when M
-# is 1 and N is 4096). Tiles in M and N decide which program computes an output, not how: every configuration
-# keeps BLOCK_K = 64 and the ascending K walk, and on the H200 all ten measured give the default's bits on
-# every Qwen3.5-9B projection and the LM head at M = 1, 8, 64, 256 (tests/gpu/bi_gemm_tiles.py,
+# is 1 and N is 4096). On the H200 all ten configurations measured give the default's bits on every
+# Qwen3.5-9B projection and the LM head at M = 1, 8, 64, 256 (tests/gpu/bi_gemm_tiles.py,
 # benchmarks/results/bi_gemm_tiles.json); tests/gpu/test_batch_invariant_cuda.py sweeps M across these bounds.
 # (largest M, config), first match wins; larger M takes _MM_CONFIGS.
-_SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, tuple[int, int, int, int, int, int]], ...]] = {
-    torch.bfloat16: ((16, (16, 128, 64, 8, 4, 4)), (64, (64, 128, 64, 8, 4, 4))),
-    torch.float16: ((16, (16, 128, 64, 8, 4, 4)), (64, (64, 128, 64, 8, 4, 4))),
+_SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, MMConfig], ...]] = {
+    torch.bfloat16: ((16, MMConfig(16, 128, 64, 8, 4, 4)), (64, MMConfig(64, 128, 64, 8, 4, 4))),
+    torch.float16: ((16, MMConfig(16, 128, 64, 8, 4, 4)), (64, MMConfig(64, 128, 64, 8, 4, 4))),
 }
 ROW_BLOCK_D_MAX = 1024
 
 
-def mm_config(M: int, dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
+def mm_config(M: int, dtype: torch.dtype) -> MMConfig:
     """The tile configuration ``bi_matmul`` uses for M rows of ``dtype`` (see ``_SMALL_M_CONFIGS``)."""
     for max_m, cfg in _SMALL_M_CONFIGS.get(dtype, ()):
         if M <= max_m:
             return cfg
     return _MM_CONFIGS[dtype]
+
+
 _INTERPRET_PROGRAMS = 4  # persistent grid size under the interpreter (CPU tensors)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # grouped ordering for L2 reuse: only decides which program computes a tile, not how
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile // tiles_per_group
+    first_m = group * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_per_group) % group_m, (tile % tiles_per_group) // group_m
+
+
+@triton.jit
+def _acc_dot(acc, a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        # interpreter only (CPU tensors): its numpy dot mishandles bf16, and numpy's BLAS does not round a row
+        # the same at every position in a tile (OpenBLAS' AVX2 kernels); a float64 dot rounded once per K block
+        # to the fp32 accumulator is exact for bf16/fp16 products and position-independent for fp32 ones, so
+        # the checks see the kernel's tiling, not the BLAS
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
 def _bi_mm_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
     num_k = tl.cdiv(K, BLOCK_K)
-    tiles_per_group = GROUP_M * num_pid_n
-    for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        # grouped ordering for L2 reuse: only decides which program computes a tile, not how
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_m
-        pid_n = (tile % tiles_per_group) // group_m
+    for tile in range(pid, num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
@@ -102,19 +138,38 @@ def _bi_mm_kernel(
                 b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn,
                 mask=mask_k[:, None] & mask_n[None, :], other=0.0,
             ).to(a_ptr.dtype.element_ty)
-            if UPCAST:
-                # interpreter only (CPU tensors): its numpy dot mishandles bf16, and numpy's BLAS does not
-                # round a row the same at every position in a tile (OpenBLAS' AVX2 kernels); a float64 dot
-                # rounded once per K block to the fp32 accumulator is exact for bf16/fp16 products and
-                # position-independent for fp32 ones, so the checks see the kernel's tiling, not the BLAS
-                acc += tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = _acc_dot(acc, a, b, INPUT_PRECISION, UPCAST)
         tl.store(
             c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
             acc.to(c_ptr.dtype.element_ty),
             mask=mask_m[:, None] & mask_n[None, :],
         )
+
+
+@triton.jit(do_not_specialize=["M", "num_programs"])
+def _bi_mm_tma_kernel(
+    a_desc, w_desc, c_ptr,
+    M, N, K, stride_cm, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """``_bi_mm_kernel`` with both operands through TMA descriptors (out-of-bounds boxes read zeros, so K and
+    N tails need no masks): ``a [M, K]`` and the weight ``w [N, K]`` row-major, ``c = a @ w^T``."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    for tile in range(pid, num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, num_k):
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).to(A_DTYPE)
+            acc = _acc_dot(acc, a, w.T, INPUT_PRECISION, UPCAST)
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,9 +179,20 @@ def _num_programs(device: torch.device) -> int:
     return _INTERPRET_PROGRAMS
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _tma_weight(b_KN: torch.Tensor) -> torch.Tensor | None:
+    """``b``'s row-major ``[N, K]`` view when TMA can read it (unit K stride, 16-byte aligned rows and base)."""
+    w = b_KN.t()
+    if w.stride(1) != 1 or (w.stride(0) * w.element_size()) % 16 or w.data_ptr() % 16:
+        return None
+    return w
+
+
 def bi_matmul(
     a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | None = None,
-    config: tuple[int, int, int, int, int, int] | None = None,
+    config: MMConfig | None = None,
 ) -> torch.Tensor:
     """``a @ b`` (bf16/fp16/fp32; fp32 accumulation; output in the promoted dtype), batch invariant in M.
     ``b`` may have any strides (a transposed weight is read in place); ``a`` is made contiguous. Mixed
@@ -134,8 +200,8 @@ def bi_matmul(
     bf16 LM head of an fp32 head) is widened tile by tile instead of copied (4 GB at a 248k vocabulary).
     ``out_dtype=torch.float32`` with bf16/fp16 operands stores the fp32 accumulator itself (the fp32 LM
     head over bf16 hidden states and weights: tensor-core products, which are exact, and fp32 sums).
-    ``config`` overrides the dtype's tile configuration (``tests/gpu/bi_gemm_tiles.py`` measures which
-    configurations give the default's bits)."""
+    ``config`` overrides the tile configuration ``mm_config`` picks (``tests/gpu/bi_gemm_tiles.py`` measures
+    which configurations give the default's bits)."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"bi_matmul expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     if a_MK.device != b_KN.device:
@@ -154,17 +220,28 @@ def bi_matmul(
         return c
     if K == 0:
         return c.zero_()
-    BM, BN, BK, GM, warps, stages = config or mm_config(M, dtype)
-    n_prog = _num_programs(a.device)
+    cfg = config or mm_config(M, dtype)
+    BM, BN, BK = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    _bi_mm_kernel[(min(n_prog, n_tiles),)](
+    n_prog = min(_num_programs(a.device), n_tiles) if cfg.persistent else n_tiles
+    common = dict(
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.GROUP_M,
+        INPUT_PRECISION=FP32_INPUT_PRECISION if dtype == torch.float32 else "tf32",
+        UPCAST=a.device.type != "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    w = _tma_weight(b) if cfg.tma and (K * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 else None
+    if w is not None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _bi_mm_tma_kernel[(n_prog,)](
+            TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]), c,
+            M, N, K, N, n_prog, A_DTYPE=_TL_DTYPES[dtype], **common,
+        )
+        return c
+    _bi_mm_kernel[(n_prog,)](
         a, b, c, M, N, K,
         K, 1,  # a is contiguous: row stride K (a size-1 dim may report any stride)
-        b.stride(0), b.stride(1), N, 1,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, NUM_PROGRAMS=n_prog,
-        INPUT_PRECISION=FP32_INPUT_PRECISION if dtype == torch.float32 else "tf32",
-        UPCAST=a.device.type != "cuda",
-        num_warps=warps, num_stages=stages,
+        b.stride(0), b.stride(1), N, 1, n_prog, **common,
     )
     return c
 

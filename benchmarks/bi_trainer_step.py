@@ -28,9 +28,12 @@ BI then differentiates the torch chunked form and the non-BI step fails and is r
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,13 +46,27 @@ from bench_common import fla_chunk_bwd_guard, fmt_table, json_saver, print_heade
 from bench_common import print_profile, profile_step, sync, two_packings, two_rounds  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
-from titan_rl_ext.kernels.gdn import fla_available  # noqa: E402
+from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
 from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
 from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
 from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
 GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
+
+@contextlib.contextmanager
+def recurrent_kernel_env(name: str) -> Iterator[None]:
+    """``TITAN_GDN_RECURRENT`` for a block (the GDN dispatch reads it at each call), restored afterwards."""
+    before = os.environ.get(RECURRENT_ENV)
+    os.environ[RECURRENT_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RECURRENT_ENV, None)
+        else:
+            os.environ[RECURRENT_ENV] = before
+
 
 # --------------------------------------------------------------------------------------------------
 # FLOP count, profiler
@@ -119,6 +136,7 @@ def main() -> int:
         model.zero_grad(set_to_none=True)
 
     modes = {"bi": True, "nonbi": False}
+    check_modes = {"bi": (True, "fla"), "nonbi": (False, "fla"), "bi_titan_rec": (True, "titan")}
 
     # ---- sanity: another batch composition -> BI logprobs bit-identical (also warms up every kernel) -------
     # Packing B = a 127-token filler sequence, then the same sequences rotated: every sequence sits at
@@ -126,8 +144,8 @@ def main() -> int:
     start_b = {i: FILLER_LEN + sum(lengths[j] for j in perm[: perm.index(i)]) for i in order}
     lp_by_mode: dict[str, torch.Tensor] = {}
     check: dict[str, Any] = {"order_a": order, "order_b": [f"filler{FILLER_LEN}"] + perm}
-    for mode, on in modes.items():
-        with torch.no_grad(), batch_invariant(on):
+    for mode, (on, rec) in check_modes.items():
+        with torch.no_grad(), batch_invariant(on), recurrent_kernel_env(rec):
             lp_a = token_logprobs(model, toks, batch)
             lp_b_packed = token_logprobs(model, toks2, batch2)
         lp_b = torch.cat([lp_b_packed[start_b[i]: start_b[i] + lengths[i]] for i in order])  # back to packing A
@@ -141,10 +159,12 @@ def main() -> int:
     v = ~lp_by_mode["bi"].isnan()
     check["bi_vs_nonbi_max_abs_diff"] = (lp_by_mode["bi"][v] - lp_by_mode["nonbi"][v]).abs().max().item()
     del lp_by_mode
-    bi_ok = check["bi"]["differing"] == 0 and check["bi"]["nan_pattern_equal"] and check["bi"]["finite"]
+    bi_ok = all(check[m]["differing"] == 0 and check[m]["nan_pattern_equal"] and check[m]["finite"]
+                for m in ("bi", "bi_titan_rec"))
     results["order_check"] = check
     print(f"order check (sequences packed {order} vs {check['order_b']}): BI on {check['bi']['differing']}/{check['bi']['tokens']} "
-          f"logprobs differ ({'OK, bit-identical' if bi_ok else 'FAIL'}); BI off {check['nonbi']['differing']}/"
+          f"logprobs differ, BI with the titan recurrent kernel {check['bi_titan_rec']['differing']} "
+          f"({'OK, bit-identical' if bi_ok else 'FAIL'}); BI off {check['nonbi']['differing']}/"
           f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}); "
           f"BI vs non-BI max |diff| {check['bi_vs_nonbi_max_abs_diff']:.2e}", flush=True)
     save()
@@ -154,21 +174,23 @@ def main() -> int:
     # before the forward's log-softmax was kept: the same step in the same process, for the before/after
     from titan_rl_ext.kernels import lm_head
 
-    step_modes = {m: (on, lm_head.SAVE_BYTES) for m, on in modes.items()}
-    step_modes.update({"bi_head_recompute": (True, 0), "nonbi_head_recompute": (False, 0)})
+    # bi_titan_rec: BI with the project's recurrent GDN kernel (TITAN_GDN_RECURRENT=titan) instead of FLA's
+    step_modes = {m: (on, lm_head.SAVE_BYTES, "fla") for m, on in modes.items()}
+    step_modes.update({"bi_head_recompute": (True, 0, "fla"), "nonbi_head_recompute": (False, 0, "fla"),
+                       "bi_titan_rec": (True, lm_head.SAVE_BYTES, "titan")})
     timer = Timer(dev)
     med: dict[str, list[float]] = {m: [] for m in step_modes}
     peak: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     for rnd in range(2):
-        for mode, (on, save_bytes) in step_modes.items():
+        for mode, (on, save_bytes, rec) in step_modes.items():
             if mode in errors:
                 continue
             if dev.type == "cuda" and rnd == 0:
                 torch.cuda.reset_peak_memory_stats(dev)
             kept, lm_head.SAVE_BYTES = lm_head.SAVE_BYTES, save_bytes
             try:
-                with batch_invariant(on):
+                with batch_invariant(on), recurrent_kernel_env(rec):
                     t = timer.run(train_step, warmup=1 if rnd == 0 else 0, reps=args.reps, max_s=args.max_s)
             except RuntimeError as e:  # e.g. FLA's #640 guard left in place
                 errors[mode] = str(e).splitlines()[0][:200]
@@ -203,6 +225,10 @@ def main() -> int:
     results["ratio_bi_over_nonbi_throughput"] = ratio
     results["ratio_kept_head_over_recompute_throughput"] = {"bi": tput_ratio("bi", "bi_head_recompute"),
                                                            "nonbi": tput_ratio("nonbi", "nonbi_head_recompute")}
+    results["ratio_bi_titan_rec_over_bi_throughput"] = tput_ratio("bi_titan_rec", "bi")
+    results["ratio_bi_titan_rec_over_nonbi_throughput"] = tput_ratio("bi_titan_rec", "nonbi")
+    print(f"  BI with the titan recurrent GDN kernel vs FLA's (throughput): {results['ratio_bi_titan_rec_over_bi_throughput']}; "
+          f"vs non-BI: {results['ratio_bi_titan_rec_over_nonbi_throughput']}", flush=True)
     print(f"  head backward from the kept log-softmax vs recomputed logits (throughput): "
           f"{results['ratio_kept_head_over_recompute_throughput']}", flush=True)
     save()
@@ -266,7 +292,10 @@ def main() -> int:
     print("    useful FLOPs/step: " + ", ".join(f"{k} {v / 1e12:.2f} T" for k, v in flops.items()))
     if ratio is not None:
         print(f"RATIO BI/non-BI throughput = {ratio:.3f}  (BI step {1 / ratio:.2f}x the time of the non-BI step)")
-    print(f"BI order check: {'PASS' if bi_ok else 'FAIL'} ({check['bi']['differing']}/{check['bi']['tokens']} differ); "
+    if results["ratio_bi_titan_rec_over_nonbi_throughput"] is not None:
+        print(f"RATIO BI (titan recurrent GDN)/non-BI throughput = {results['ratio_bi_titan_rec_over_nonbi_throughput']:.3f}")
+    print(f"BI order check: {'PASS' if bi_ok else 'FAIL'} ({check['bi']['differing']}/{check['bi']['tokens']} differ; "
+          f"titan recurrent {check['bi_titan_rec']['differing']}); "
           f"non-BI: {check['nonbi']['differing']}/{check['nonbi']['tokens']} differ")
     if breakdown:
         print("breakdown (fwd+bwd of each part alone; pct = part x count / full step):")

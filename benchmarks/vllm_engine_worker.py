@@ -105,6 +105,7 @@ class Engine:
         cfg = args.config
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg.startswith("titan_bi") else "0"
+        os.environ["TITAN_GDN_RECURRENT"] = "titan" if cfg.endswith("_rec") else "fla"
         if args.scopes:  # vLLM's record_function scopes (for "anatomy"): read once, at the first scope
             os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         import torch

@@ -12,6 +12,8 @@ Configurations (each engine in its own process, ``vllm_engine_worker.py``):
 - ``titan``         ``--model-impl titan`` as shipped (full decode CUDA graphs on GPU), BI off
 - ``titan_bi``      the same, batch invariant (``TITAN_BATCH_INVARIANT=1``)
 - ``titan_eager`` / ``titan_bi_eager``  ``--model-impl titan`` with ``enforce_eager=True``
+- ``titan_rec`` / ``titan_bi_rec``  ``titan`` / ``titan_bi`` with the project's recurrent GDN kernel
+  (``TITAN_GDN_RECURRENT=titan``; the others run FLA's, ``fla``)
 
 Interleaved by default: every engine is started (one after the other, each with ``--gpu-mem`` of the GPU)
 and then the driver times rep 1 of every workload on every engine, then rep 2, ..., rotating the order of
@@ -41,7 +43,7 @@ import threading
 import time
 from typing import Any
 
-CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager")
+CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_rec", "titan_bi_rec")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
 
 
@@ -184,7 +186,8 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     keys = [("decode", k) for k in next(iter(results[c] for c in cfgs))["decode"]] + [("prefill", k) for k in next(iter(results[c] for c in cfgs))["prefill"]] if cfgs else []
     head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
     ratios = [(a, b) for a, b in (("titan", "native_graphs"), ("titan_bi", "titan"), ("titan_bi", "native_graphs"),
-                                  ("titan", "titan_eager"), ("titan", "native")) if a in cfgs and b in cfgs]
+                                  ("titan", "titan_eager"), ("titan", "native"), ("titan_rec", "titan"),
+                                  ("titan_bi_rec", "titan_bi"), ("titan_bi_rec", "titan")) if a in cfgs and b in cfgs]
     head += "".join(f"{a + '/' + b:>22}" for a, b in ratios)
     lines.append(head)
     for kind, k in keys:

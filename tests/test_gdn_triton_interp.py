@@ -57,20 +57,22 @@ def _check_values() -> None:
     from titan_rl_ext.kernels import gdn_triton as gt
     from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
 
-    for cfg in (gt.CONFIG, gt.RecurrentConfig(merged=False), gt.RecurrentConfig(BV=4, prefetch=False)):
-        for dtype in (torch.float32, torch.bfloat16):
-            q, k, v, g, beta, s0, cu = _inputs([5, 0, 9, 1], dtype)
-            for state in (s0, None):
-                o, s = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, K**-0.5, state, config=cfg)
-                o_ref, s_ref = recurrent_gated_delta_rule_torch(q, k, v, g, beta, cu, K**-0.5, state)
-                assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (4, HV, K, V)
-                torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=2e-6)
-                if dtype == torch.float32:
-                    torch.testing.assert_close(o, o_ref, rtol=2e-6, atol=2e-6)
-                else:
-                    torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
-                # the empty sequence's final state is its initial state
-                assert torch.equal(s[1], s0[1] if state is not None else torch.zeros_like(s[1]))
+    cases = [(gt.CONFIG, dtype, with_state) for dtype in (torch.float32, torch.bfloat16) for with_state in (True, False)]
+    cases += [(gt.RecurrentConfig(merged=False), torch.float32, True), (gt.RecurrentConfig(BV=4, prefetch=False),
+                                                                         torch.bfloat16, True)]
+    for cfg, dtype, with_state in cases:
+        q, k, v, g, beta, s0, cu = _inputs([5, 0, 9, 1], dtype)
+        state = s0 if with_state else None
+        o, s = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, K**-0.5, state, config=cfg)
+        o_ref, s_ref = recurrent_gated_delta_rule_torch(q, k, v, g, beta, cu, K**-0.5, state)
+        assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (4, HV, K, V)
+        torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=2e-6)
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, o_ref, rtol=2e-6, atol=2e-6)
+        else:
+            torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
+        # the empty sequence's final state is its initial state
+        assert torch.equal(s[1], s0[1] if state is not None else torch.zeros_like(s[1]))
 
 
 def _check_splits_and_decode() -> None:
@@ -127,6 +129,104 @@ def _check_batch_invariance_and_views() -> None:
     assert torch.equal(o_v, o) and torch.equal(s_v, s)
 
 
+def _bf16_truncated(x):  # type: ignore[no-untyped-def]
+    """fp32 -> bf16 the way the interpreter casts (truncation), for comparing a kernel's 16-bit stores."""
+    import torch
+
+    return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32).bfloat16()
+
+
+def _check_state_slots() -> None:
+    """An engine's state cache read and written by slot in place == gathering the slots, running, scattering;
+    a slot without prior state starts from zeros whatever it holds (NaN here); other slots untouched."""
+    import torch
+
+    from titan_rl_ext.kernels import gdn_triton as gt
+
+    lens = [5, 1, 0, 3]
+    q, k, v, g, beta, _, cu = _inputs(lens, torch.bfloat16, seed=5)
+    scale = K**-0.5
+    gen = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.bfloat16):
+        # 7 slots inside a wider buffer (a slot stride larger than one state, as vLLM's shared pages have)
+        buf = torch.randn(7, HV * K * V + 40, generator=gen).to(dtype)
+        cache = buf[:, : HV * K * V].view(7, HV, K, V)
+        slots = torch.tensor([4, 0, 6, 2], dtype=torch.int32)
+        keep = torch.tensor([True, False, True, True])
+        cache[0] = float("nan")  # a recycled slot's leftovers
+        h0 = torch.where(keep[:, None, None, None], cache[slots.long()].float(), 0.0)
+        o_ref, s_ref = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, h0)
+        before, pad = cache.clone(), buf[:, HV * K * V :].clone()
+        o, s = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, cache, state_slots=slots, state_keep=keep)
+        assert s is cache and torch.equal(o, o_ref), dtype
+        # a bf16 cache: the kernel's fp32 -> bf16 store truncates under the interpreter (the GPU rounds)
+        s_want = s_ref if dtype == torch.float32 else _bf16_truncated(s_ref)
+        assert torch.equal(cache[slots.long()], s_want), dtype
+        others = [i for i in range(7) if i not in slots.tolist()]
+        assert torch.equal(cache[others], before[others]) and torch.equal(buf[:, HV * K * V :], pad)
+        # decode from the cache: one token per sequence, the slot carried, bits as the whole-sequence call
+    cache = torch.zeros(2, HV, K, V)
+    slots = torch.tensor([1], dtype=torch.int32)
+    a, b = 0, 5
+    o_all, s_all = gt.gated_delta_rule_recurrent(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
+                                                 torch.tensor([0, 5], dtype=torch.int32), scale)
+    outs = []
+    for t in range(a, b):
+        o_t, _ = gt.gated_delta_rule_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1],
+                                               torch.tensor([0, 1], dtype=torch.int32), scale, cache, state_slots=slots)
+        outs.append(o_t)
+    assert torch.equal(torch.cat(outs), o_all) and torch.equal(cache[1], s_all[0]) and not cache[0].any()
+    try:
+        gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, cache.transpose(2, 3), state_slots=slots)
+    except ValueError as e:
+        assert "contiguous" in str(e)
+    else:
+        raise AssertionError("a cache with transposed slots accepted")
+
+
+def _check_cached_state_rule_kernel() -> None:
+    """The engine's rule kernel (``CachedStateRuleKernel``): where the project's kernel runs the call (forced here:
+    the dispatch asks for CUDA) the cache is updated in place and returned; the same step through its gather
+    path (FLA/torch) returns N states to scatter; both agree to the reference tolerance."""
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.qwen3_5 import gdn as layer
+
+    lens = [4, 2, 3]
+    q, k, v, g, beta, _, cu = _inputs(lens, torch.bfloat16, seed=8)
+    seq = SeqBatch(cu_seqlens=cu, positions=torch.zeros(sum(lens), dtype=torch.long), max_seqlen=4)
+    cache0 = torch.randn(5, HV, K, V) * 0.1
+    slots = torch.tensor([3, 1, 4])
+    keep = torch.tensor([True, True, False])
+    kern = layer.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
+    results = {}
+    forced = layer.runs_titan_recurrent
+    for path in ("in_place", "gather"):
+        layer.runs_titan_recurrent = (lambda *a: True) if path == "in_place" else (lambda *a: False)
+        cache = cache0.clone()
+        kern.bind(slots, keep)
+        try:
+            with bi.batch_invariant(True):
+                o, s = kern(q, k, v, g, beta, seq, K**-0.5, cache)
+        finally:
+            kern.unbind()
+            layer.runs_titan_recurrent = forced
+        if path == "in_place":
+            assert s is cache and torch.equal(cache[[0, 2]], cache0[[0, 2]])
+            s = cache[slots]
+        else:
+            assert s is not cache and s.shape == (3, HV, K, V) and torch.equal(cache, cache0)
+        results[path] = (o, s)
+    (o1, s1), (o2, s2) = results["in_place"], results["gather"]
+    torch.testing.assert_close(s1, s2, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(o1.float(), o2.float(), rtol=2 * 2.0**-7, atol=1e-3)
+    # unbound (a profiling run): the plain kernel, state as given
+    o3, _ = kern(q, k, v, g, beta, seq, K**-0.5, None)
+    assert o3.shape == o1.shape
+
+
 def _check_fused_prep() -> None:
     import torch
 
@@ -150,7 +250,7 @@ def _check_fused_prep() -> None:
     g_ref, beta_ref = rows.gdn_gates_torch(a, b, A_log, dt_bias)
     # the interpreter's fp32 -> bf16 cast truncates where the GPU rounds: the kernel's beta is sigmoid(b)
     # truncated to bf16 here, so the reference takes the same (one bf16 ulp of beta moves the state ~4e-3)
-    beta_ref = (torch.sigmoid(b.float()).view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    beta_ref = _bf16_truncated(torch.sigmoid(b.float()))
     o_ref, s_ref = gt.gated_delta_rule_recurrent(
         rows.l2norm_torch(q_raw), rows.l2norm_torch(k_raw), v, g_ref, beta_ref, cu, scale, s0)
     fused = dict(A_log=A_log, dt_bias=dt_bias, norm_qk=True)
@@ -193,8 +293,8 @@ def _check_dispatch_and_errors() -> None:
 
 
 def _main() -> None:
-    run_checks((_check_values, _check_splits_and_decode, _check_batch_invariance_and_views, _check_fused_prep,
-                  _check_dispatch_and_errors))
+    run_checks((_check_values, _check_splits_and_decode, _check_batch_invariance_and_views, _check_state_slots,
+                _check_cached_state_rule_kernel, _check_fused_prep, _check_dispatch_and_errors))
 
 
 if __name__ == "__main__":

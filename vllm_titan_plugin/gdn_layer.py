@@ -1,10 +1,11 @@
 """A titan Gated DeltaNet layer as a vLLM Mamba-type layer: vLLM owns the state, titan does the math.
 
 vLLM allocates one (conv, ssm) state slot per request (per block in align-mode prefix caching) and
-hands each step the slot of every request plus whether it already holds state. The wrapper gathers
-those slots, zeroes the ones without prior state, runs the unchanged titan layer on the step's tokens
+hands each step the slot of every request plus whether it already holds state. The wrapper gathers the
+conv slots, zeroes the ones without prior state, runs the unchanged titan layer on the step's tokens
 (decodes first, then prefills -- any mix, prefills possibly split across steps) and scatters the new
-states back. Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
+conv states back; the ssm state goes to the layer's rule kernel as the whole cache with the step's slots
+bound (``CachedStateRuleKernel``), which updates it in place where its kernel can and gathers otherwise. Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from titan_rl_ext.models.common.batch import SeqBatch
-from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet, GDNConfig, GDNState
+from titan_rl_ext.models.qwen3_5.gdn import CachedStateRuleKernel, GatedDeltaNet, GDNConfig, GDNState
 from vllm_titan_plugin import compat
 
 # attribute under which the wrapper holds the titan layer (parameter names gain this segment)
@@ -46,6 +47,8 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
 
     def __init__(self, layer: GatedDeltaNet, *, prefix: str, state_dtypes: tuple[torch.dtype, torch.dtype]) -> None:
         super().__init__()
+        if not isinstance(layer.rule_kernel, CachedStateRuleKernel):
+            layer.rule_kernel = CachedStateRuleKernel(layer.rule_kernel)
         setattr(self, INNER, layer)
         self.prefix = prefix
         self._state_dtypes = state_dtypes
@@ -90,22 +93,29 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
         conv_cache, ssm_cache = compat.mamba_state_tensors(self)
 
         conv0 = conv_cache.index_select(0, slots).to(x_TD.dtype)
-        ssm0 = ssm_cache.index_select(0, slots).float()
         has_initial = md.has_initial_state  # None: every request continues (decode-only step)
+        keep = None
         if has_initial is not None:
             # a recycled slot holds another request's (or uninitialised) state: where, not multiply
             keep = has_initial[:n_seqs].to(torch.bool)
             conv0 = torch.where(keep[:, None, None], conv0, torch.zeros_like(conv0))
-            ssm0 = torch.where(keep[:, None, None, None], ssm0, torch.zeros_like(ssm0))
 
         seq = SeqBatch(
             cu_seqlens=cu_seqlens.to(torch.int32),
             positions=batch.positions[:T],
             max_seqlen=T,  # an upper bound: the exact value would cost a host sync every layer
         )
-        y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv0, ssm0))
+        # the ssm state goes in as the whole cache: the rule kernel reads and writes the slots in place where
+        # its kernel can (returning the cache), or gathers them and returns the N new states to scatter here
+        rule = self.layer.rule_kernel
+        rule.bind(slots, keep)
+        try:
+            y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv0, ssm_cache))
+        finally:
+            rule.unbind()
         conv_cache.index_copy_(0, slots, new.conv.to(conv_cache.dtype))
-        ssm_cache.index_copy_(0, slots, new.ssm.to(ssm_cache.dtype))
+        if new.ssm is not ssm_cache:
+            ssm_cache.index_copy_(0, slots, new.ssm.to(ssm_cache.dtype))
 
         if T < x_TD.shape[0]:
             y_TD = torch.cat([y_TD, y_TD.new_zeros(x_TD.shape[0] - T, y_TD.shape[1])])

@@ -106,3 +106,23 @@ def test_fused_prep_matches_the_layers_kernels() -> None:
     o, s = rec(q_raw, k_raw, v, a, b, cu, K**-0.5, A_log=A_log, dt_bias=dt_bias, norm_qk=True)
     torch.testing.assert_close(s, s_ref, rtol=5e-5, atol=5e-5)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
+
+
+def test_state_cache_in_place_equals_gather_scatter() -> None:
+    """An engine's state cache updated by slot in place gives the bits of gathering the slots, running the
+    kernel and scattering (a slot without prior state starts from zeros whatever it holds)."""
+    from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent as rec
+
+    lens = [1] * 64 + [37, 5]  # a decode batch and two prefills
+    q, k, v, g, beta, _, cu = _inputs(lens, seed=4)
+    n = len(lens)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache = torch.randn(2 * n, HV, K, V, device="cuda", generator=gen) * 0.1
+    slots = torch.randperm(2 * n, device="cuda", generator=gen)[:n]
+    keep = torch.ones(n, dtype=torch.bool, device="cuda")
+    keep[-2:] = False
+    cache[slots[-1]] = float("nan")
+    h0 = torch.where(keep[:, None, None, None], cache[slots], 0.0)
+    o_ref, s_ref = rec(q, k, v, g, beta, cu, K**-0.5, h0)
+    o, s = rec(q, k, v, g, beta, cu, K**-0.5, cache, state_slots=slots, state_keep=keep)
+    assert s is cache and torch.equal(o, o_ref) and torch.equal(cache[slots], s_ref)

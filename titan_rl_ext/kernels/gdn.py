@@ -212,8 +212,6 @@ def _fla_gated_delta_rule(
     N = cu_seqlens.numel() - 1
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, initial_state))
     recurrent = mode == "recurrent" or (q.shape[0] <= 2 * N and not needs_grad)  # recurrent has no backward
-    if recurrent and recurrent_kernel() == "titan":
-        return _titan_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     if needs_grad and not recurrent:
         allow_fla_chunk_backward()
     fn = fused_recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
@@ -282,6 +280,14 @@ def recurrent_kernel() -> str:
     return name
 
 
+def runs_titan_recurrent(q: torch.Tensor, n_seqs: int, mode: GDNMode, needs_grad: bool) -> bool:
+    """The one rule for when ``gated_delta_rule`` (backend ``auto``) runs ``kernels.gdn_triton``: on CUDA, with
+    ``recurrent_kernel()`` = ``titan``, for a recurrent forward -- asked for (BI mode), or chosen because the
+    call is decode-sized (two tokens a sequence or fewer, no gradient: the chunk kernel would pad each to 64)."""
+    return (q.is_cuda and recurrent_kernel() == "titan"
+            and (mode == "recurrent" or (q.shape[0] <= 2 * n_seqs and not needs_grad)))
+
+
 def _titan_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
@@ -307,9 +313,12 @@ def gated_delta_rule(
     forwards on CUDA take the project's kernel when ``recurrent_kernel()`` says ``titan`` (FLA not needed).
     ``backend="titan"`` asks for that kernel (recurrent, forward only) wherever triton runs."""
     if backend == "auto":
-        backend = "fla" if q.is_cuda and fla_available() else "torch"
-        if q.is_cuda and mode == "recurrent" and recurrent_kernel() == "titan":
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+        if runs_titan_recurrent(q, cu_seqlens.numel() - 1, mode, needs_grad):
             backend = "titan"
+        else:
+            backend = "fla" if q.is_cuda and fla_available() else "torch"
     if backend == "titan":
         _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
         return _titan_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)

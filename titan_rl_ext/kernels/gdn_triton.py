@@ -68,12 +68,12 @@ def _gates(a, b, a_log, dt_bias, BETA_DTYPE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, h0_ptr, o_ptr, ht_ptr, cu_ptr,
-    T, scale, eps,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, h0_ptr, o_ptr, ht_ptr, cu_ptr, slot_ptr, keep_ptr,
+    T, scale, eps, sh0_n, sht_n,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    NORM_QK: tl.constexpr, GATES: tl.constexpr, BETA_DTYPE: tl.constexpr,
+    NORM_QK: tl.constexpr, GATES: tl.constexpr, BETA_DTYPE: tl.constexpr, SLOTS: tl.constexpr, KEEP: tl.constexpr,
     MERGED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -89,8 +89,16 @@ def _gdn_recurrent_kernel(
     mask_k = offs_k < K
     mask_v = offs_v < V
     mask_s = mask_k[:, None] & mask_v[None, :]
-    p_s = i_nh * K * V + offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(h0_ptr + p_s, mask=mask_s, other=0.0)
+    # the state: sequence n's own row, or (SLOTS) the row of a state cache its slot names, read and written in
+    # place; KEEP: a slot without prior state (recycled: any bits) starts from zeros, by select, not multiply
+    if SLOTS:
+        slot = tl.load(slot_ptr + i_n).to(tl.int64)
+    else:
+        slot = i_n
+    p_s = i_hv * K * V + offs_k[:, None] * V + offs_v[None, :]
+    S = tl.load(h0_ptr + slot * sh0_n + p_s, mask=mask_s, other=0.0).to(tl.float32)
+    if KEEP:
+        S = tl.where(tl.load(keep_ptr + i_n) != 0, S, 0.0)
 
     p_q = q_ptr + i_h * sq_h + offs_k
     p_k = k_ptr + i_h * sk_h + offs_k
@@ -152,7 +160,7 @@ def _gdn_recurrent_kernel(
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(S * q[:, None], axis=0)
         tl.store(p_o + t * so_t, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-    tl.store(ht_ptr + p_s, S, mask=mask_s)
+    tl.store(ht_ptr + slot * sht_n + p_s, S.to(ht_ptr.dtype.element_ty), mask=mask_s)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -161,6 +169,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a unit last stride (a head view of a wider buffer is read in place)."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def slotted_state_ok(cache: torch.Tensor, HV: int, K: int, V: int) -> bool:
+    """Whether the kernel can read and write ``cache`` by slot: ``[S, HV, K, V]`` with each slot contiguous."""
+    return (cache.dim() == 4 and tuple(cache.shape[1:]) == (HV, K, V) and tuple(cache.stride()[1:]) == (K * V, V, 1)
+            and cache.dtype in _TL_DTYPES)
 
 
 def gated_delta_rule_recurrent(
@@ -173,6 +187,8 @@ def gated_delta_rule_recurrent(
     scale: float,
     initial_state: torch.Tensor | None = None,
     *,
+    state_slots: torch.Tensor | None = None,
+    state_keep: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     norm_qk: bool = False,
@@ -183,6 +199,11 @@ def gated_delta_rule_recurrent(
     [N, HV, K, V] fp32)``. Shapes as ``kernels.gdn``: q/k ``[T, H, K]`` (any strides with a unit last one),
     v ``[T, HV, V]``, g/beta ``[T, HV]``, ``cu_seqlens [N+1]`` on the device.
 
+    ``state_slots [N]`` (an engine's state cache): ``initial_state`` is the cache ``[S, HV, K, V]`` (any slot stride,
+    each slot contiguous, fp32 or a narrower dtype), sequence n starts from row ``state_slots[n]`` -- or from
+    zeros where ``state_keep[n]`` is false -- and its final state is written back there in place; the cache is
+    returned as the state. Saves the gather and scatter copies of every state around the kernel (at a decode
+    step of 256 sequences of the 9B shape: 2 x 512 MB read and written per layer).
     ``norm_qk``: q/k are raw and L2-normalised here. ``A_log``/``dt_bias`` given: ``g_TH``/``beta_TH`` are the
     projection's raw ``a``/``b`` and the gates are formed here (``A_log`` fp32, beta rounded to b's dtype)."""
     cfg = config or CONFIG
@@ -203,28 +224,45 @@ def gated_delta_rule_recurrent(
         raise ValueError(f"cu_seqlens must be 1-D; got {tuple(cu_seqlens.shape)}")
     N = cu_seqlens.numel() - 1
     dev = v_THV.device
-    if initial_state is None:
-        initial_state = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
-    elif initial_state.shape != (N, HV, K, V):
-        raise ValueError(f"initial_state must be [N, HV, K, V]={[N, HV, K, V]}; got {tuple(initial_state.shape)}")
-    h0 = initial_state.float().contiguous()
+    if state_slots is not None:
+        if initial_state is None or not slotted_state_ok(initial_state, HV, K, V):
+            raise ValueError(f"state_slots need initial_state as a state cache [S, {HV}, {K}, {V}] with contiguous "
+                             f"slots; got {None if initial_state is None else tuple(initial_state.shape)}")
+        if state_slots.shape != (N,) or (state_keep is not None and state_keep.shape != (N,)):
+            raise ValueError(f"state_slots and state_keep must be [N={N}]")
+        h0 = final = initial_state
+    else:
+        if state_keep is not None:
+            raise ValueError("state_keep goes with state_slots")
+        if initial_state is None:
+            initial_state = torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev)
+        elif initial_state.shape != (N, HV, K, V):
+            raise ValueError(f"initial_state must be [N, HV, K, V]={[N, HV, K, V]}; got {tuple(initial_state.shape)}")
+        h0 = initial_state.float().contiguous()
+        final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
     q, k, v = _unit_last(q_THK), _unit_last(k_THK), _unit_last(v_THV)
     g, beta = _unit_last(g_TH), _unit_last(beta_TH)
     o = torch.empty(T, HV, V, dtype=v.dtype, device=dev)
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    if N == 0 or T == 0:  # no token to step: every final state is its initial state
+    if N == 0 or (T == 0 and state_slots is None):  # no token to step: every final state is its initial state
         return o, final.copy_(h0)
+    if T == 0:  # slotted: each slot keeps its state, except that a slot without prior state is zeroed
+        if state_keep is not None:
+            lost = state_slots[~state_keep.bool()].long()
+            final.index_fill_(0, lost, 0.0)
+        return o, final
     BK = triton.next_power_of_2(K)
     BV = min(cfg.BV, triton.next_power_of_2(V))
     _gdn_recurrent_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, v, g, beta,
         A_log if gates else g, dt_bias if gates else g,  # unread without GATES
         h0, o, final, cu_seqlens.to(device=dev, dtype=torch.int32),
-        T, scale, eps,
+        cu_seqlens if state_slots is None else state_slots, cu_seqlens if state_keep is None else state_keep,
+        T, scale, eps, h0.stride(0), final.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         NORM_QK=norm_qk, GATES=gates, BETA_DTYPE=_TL_DTYPES[beta_TH.dtype],
+        SLOTS=state_slots is not None, KEEP=state_keep is not None,
         MERGED=cfg.merged, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
     )

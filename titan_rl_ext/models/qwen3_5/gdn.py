@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from titan_rl_ext.kernels.conv import causal_conv1d
 from titan_rl_ext.kernels import batch_invariant as bi
-from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi
+from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi, runs_titan_recurrent
 from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
@@ -101,6 +101,56 @@ class GatedDeltaRuleKernel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, backend={self.backend}"
+
+
+class CachedStateRuleKernel(nn.Module):
+    """The rule kernel of an engine that keeps every sequence's state in one cache ``[S, HV, K, V]`` indexed by
+    slot. Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer
+    the cache itself as ``state.ssm``. Where the project's recurrent kernel runs the call (``kernels.gdn``'s
+    ``runs_titan_recurrent``) it reads and writes the slots in place and returns the cache as the new state;
+    otherwise the slots are gathered (zeros where there is no prior state), ``base`` runs, and the engine
+    scatters the ``[N, ...]`` states it returns. Same per-token arithmetic either way, so BI bits do not
+    depend on where the state lives."""
+
+    def __init__(self, base: GatedDeltaRuleKernel) -> None:
+        super().__init__()
+        self.base = base
+        self._slots: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+
+    def bind(self, slots: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """This step's slot of each sequence ``[N]`` and whether it holds prior state ``[N]`` (None: all do)."""
+        self._slots, self._keep = slots, keep
+
+    def unbind(self) -> None:
+        self._slots = self._keep = None
+
+    def forward(
+        self,
+        q_THK: torch.Tensor,
+        k_THK: torch.Tensor,
+        v_THV: torch.Tensor,
+        g_TH: torch.Tensor,
+        beta_TH: torch.Tensor,
+        batch: SeqBatch,
+        scale: float,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots, keep = self._slots, self._keep
+        if slots is None or state is None:  # no cache bound (a profiling run): the plain kernel
+            return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
+        mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
+        if self.base.backend == "auto" and runs_titan_recurrent(q_THK, slots.shape[0], mode, False):
+            from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent, slotted_state_ok
+
+            if slotted_state_ok(state, v_THV.shape[1], q_THK.shape[2], v_THV.shape[2]):
+                return gated_delta_rule_recurrent(q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, state,
+                                                  state_slots=slots, state_keep=keep)
+        ssm0 = state.index_select(0, slots.long()).float()
+        if keep is not None:
+            # a recycled slot holds another request's (or uninitialised) state: where, not multiply
+            ssm0 = torch.where(keep[:, None, None, None], ssm0, torch.zeros_like(ssm0))
+        return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, ssm0)
 
 
 class GatedDeltaNet(nn.Module):

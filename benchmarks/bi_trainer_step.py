@@ -47,6 +47,7 @@ from bench_common import print_profile, profile_step, sync, two_packings, two_ro
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
+from titan_rl_ext.kernels.rows import FUSED_BACKWARD_ENV  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
 from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
 from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
@@ -55,17 +56,19 @@ from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
 
 @contextlib.contextmanager
-def recurrent_kernel_env(name: str) -> Iterator[None]:
-    """``TITAN_GDN_RECURRENT`` for a block (the GDN dispatch reads it at each call), restored afterwards."""
-    before = os.environ.get(RECURRENT_ENV)
-    os.environ[RECURRENT_ENV] = name
+def env_set(**values: str) -> Iterator[None]:
+    """Environment switches the kernels read at each call (``TITAN_GDN_RECURRENT``, ``TITAN_FUSED_BACKWARD``) for
+    a block, restored afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(RECURRENT_ENV, None)
-        else:
-            os.environ[RECURRENT_ENV] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # --------------------------------------------------------------------------------------------------
@@ -136,7 +139,7 @@ def main() -> int:
         model.zero_grad(set_to_none=True)
 
     modes = {"bi": True, "nonbi": False}
-    check_modes = {"bi": (True, "fla"), "nonbi": (False, "fla"), "bi_titan_rec": (True, "titan")}
+    check_modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_titan_rec": (True, {RECURRENT_ENV: "titan"})}
 
     # ---- sanity: another batch composition -> BI logprobs bit-identical (also warms up every kernel) -------
     # Packing B = a 127-token filler sequence, then the same sequences rotated: every sequence sits at
@@ -144,8 +147,8 @@ def main() -> int:
     start_b = {i: FILLER_LEN + sum(lengths[j] for j in perm[: perm.index(i)]) for i in order}
     lp_by_mode: dict[str, torch.Tensor] = {}
     check: dict[str, Any] = {"order_a": order, "order_b": [f"filler{FILLER_LEN}"] + perm}
-    for mode, (on, rec) in check_modes.items():
-        with torch.no_grad(), batch_invariant(on), recurrent_kernel_env(rec):
+    for mode, (on, switches) in check_modes.items():
+        with torch.no_grad(), batch_invariant(on), env_set(**switches):
             lp_a = token_logprobs(model, toks, batch)
             lp_b_packed = token_logprobs(model, toks2, batch2)
         lp_b = torch.cat([lp_b_packed[start_b[i]: start_b[i] + lengths[i]] for i in order])  # back to packing A
@@ -174,23 +177,28 @@ def main() -> int:
     # before the forward's log-softmax was kept: the same step in the same process, for the before/after
     from titan_rl_ext.kernels import lm_head
 
-    # bi_titan_rec: BI with the project's recurrent GDN kernel (TITAN_GDN_RECURRENT=titan) instead of FLA's
-    step_modes = {m: (on, lm_head.SAVE_BYTES, "fla") for m, on in modes.items()}
-    step_modes.update({"bi_head_recompute": (True, 0, "fla"), "nonbi_head_recompute": (False, 0, "fla"),
-                       "bi_titan_rec": (True, lm_head.SAVE_BYTES, "titan")})
+    # bi_titan_rec: BI with the project's recurrent GDN kernel (TITAN_GDN_RECURRENT=titan) instead of FLA's;
+    # *_ref_bwd: the fused kernels' backward through their torch references (TITAN_FUSED_BACKWARD=0), the path
+    # before the backward kernels (the conv's first)
+    keep = lm_head.SAVE_BYTES
+    step_modes = {m: (on, keep, {}) for m, on in modes.items()}
+    step_modes.update({"bi_head_recompute": (True, 0, {}), "nonbi_head_recompute": (False, 0, {}),
+                       "bi_titan_rec": (True, keep, {RECURRENT_ENV: "titan"}),
+                       "bi_ref_bwd": (True, keep, {FUSED_BACKWARD_ENV: "0"}),
+                       "nonbi_ref_bwd": (False, keep, {FUSED_BACKWARD_ENV: "0"})})
     timer = Timer(dev)
     med: dict[str, list[float]] = {m: [] for m in step_modes}
     peak: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     for rnd in range(2):
-        for mode, (on, save_bytes, rec) in step_modes.items():
+        for mode, (on, save_bytes, switches) in step_modes.items():
             if mode in errors:
                 continue
             if dev.type == "cuda" and rnd == 0:
                 torch.cuda.reset_peak_memory_stats(dev)
             kept, lm_head.SAVE_BYTES = lm_head.SAVE_BYTES, save_bytes
             try:
-                with batch_invariant(on), recurrent_kernel_env(rec):
+                with batch_invariant(on), env_set(**switches):
                     t = timer.run(train_step, warmup=1 if rnd == 0 else 0, reps=args.reps, max_s=args.max_s)
             except RuntimeError as e:  # e.g. FLA's #640 guard left in place
                 errors[mode] = str(e).splitlines()[0][:200]
@@ -225,6 +233,10 @@ def main() -> int:
     results["ratio_bi_over_nonbi_throughput"] = ratio
     results["ratio_kept_head_over_recompute_throughput"] = {"bi": tput_ratio("bi", "bi_head_recompute"),
                                                            "nonbi": tput_ratio("nonbi", "nonbi_head_recompute")}
+    results["ratio_fused_bwd_over_ref_bwd_throughput"] = {"bi": tput_ratio("bi", "bi_ref_bwd"),
+                                                          "nonbi": tput_ratio("nonbi", "nonbi_ref_bwd")}
+    print(f"  backward kernels vs the references' gradients (throughput): "
+          f"{results['ratio_fused_bwd_over_ref_bwd_throughput']}", flush=True)
     results["ratio_bi_titan_rec_over_bi_throughput"] = tput_ratio("bi_titan_rec", "bi")
     results["ratio_bi_titan_rec_over_nonbi_throughput"] = tput_ratio("bi_titan_rec", "nonbi")
     print(f"  BI with the titan recurrent GDN kernel vs FLA's (throughput): {results['ratio_bi_titan_rec_over_bi_throughput']}; "

@@ -60,7 +60,7 @@ for s in $stages; do
         gemm) run_stage bi_gemm 80 benchmarks/bi_gemm.py --lm-head --fp32-head-m 1,1024,8192 ;;
         gdn)  run_stage gdn_kernels 170 benchmarks/gdn_kernels.py ;;
         rec)  run_stage gdn_recurrent 240 benchmarks/gdn_recurrent.py ;;
-        step) run_stage bi_trainer_step 210 benchmarks/bi_trainer_step.py --profile --budget-s 150 ;;
+        step) run_stage bi_trainer_step 240 benchmarks/bi_trainer_step.py --profile --budget-s 150 ;;
         inf)  run_stage bi_inference 90 benchmarks/bi_inference.py --batches 1,32,256 --decode-ctx 512 --decode-reps 5 --max-s 6 ;;
         *) echo "unknown stage $s (gemm gdn rec step inf)" ;;
     esac

@@ -196,6 +196,57 @@ def _check_conv() -> None:
         assert torch.equal(yd, yfull[-1:]) and torch.equal(fd, ffull)
 
 
+def _check_conv_backward() -> None:
+    """The conv's backward kernel (training: no state, no bias) against the gradient of ``causal_conv1d_torch``:
+    fp32 to 1e-5 relative; bf16 dx within two bf16 ulps of the float64 gradient (one fp32 sum rounded once --
+    truncated by the interpreter -- where the reference rounds each tap's share to bf16 before adding), dw
+    (fp32 sums of exact products) to 1e-5 of the float64 one, in bf16 to the one cast's ulp. A gradient reaching the final states takes the
+    reference's path, same values as the reference."""
+    import torch
+
+    from titan_rl_ext.kernels import conv
+    from titan_rl_ext.kernels.conv_triton import causal_conv1d_backward_triton
+
+    g = torch.Generator().manual_seed(9)
+    C, W = 160, 4
+    lengths = [5, 0, 1, 40, 2, 37]  # an empty sequence, a single token, sequences past BLOCK_T
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    T = int(cu[-1])
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = torch.randn(T, C + 32, generator=g).to(dtype)
+        x = wide[:, 16 : 16 + C]
+        w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+        dy = torch.randn(T, C, generator=g).to(dtype)
+        for act in ("silu", None):
+            dx, dw = causal_conv1d_backward_triton(x, w, cu, dy, act)
+            assert dx.dtype == dtype and dw.dtype == dtype and dw.shape == (C, W)
+            x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+            y64, _ = conv.causal_conv1d_torch(x64, w64, cu, None, None, act)
+            dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+            rtol = 1e-5 if dtype == torch.float32 else 2.0**-7  # bf16 dw: the fp32 sum's one (truncating) cast
+            torch.testing.assert_close(dw.double(), dw64, rtol=rtol, atol=1e-5 * dw64.abs().max().item())
+            if dtype == torch.float32:
+                torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
+            else:
+                err = (dx.double() - dx64).abs()
+                assert (err <= 2 * 2.0**-8 * dx64.abs() + 1e-6).all(), err.max().item()
+    # the autograd function: forward = the kernel, backward = the backward kernel; with a gradient on the
+    # final states, the reference's gradient
+    x = torch.randn(T, C, generator=g).requires_grad_(True)
+    w = (torch.randn(C, W, generator=g) * 0.5).requires_grad_(True)
+    dy = torch.randn(T, C, generator=g)
+    y, fin = conv._ConvKernelForwardBackward.apply(x, w, cu, "silu")
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    dx, dw = causal_conv1d_backward_triton(x.detach(), w.detach(), cu, dy, "silu")
+    assert torch.equal(gx, dx) and torch.equal(gw, dw)
+    y, fin = conv._ConvKernelForwardBackward.apply(x, w, cu, "silu")
+    d_fin = torch.randn(fin.shape, generator=g)
+    gx, gw = torch.autograd.grad((y, fin), (x, w), (dy, d_fin))
+    y_r, fin_r = conv.causal_conv1d_torch(x, w, cu, None, None, "silu")
+    rx, rw = torch.autograd.grad((y_r, fin_r), (x, w), (dy, d_fin))
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
+
+
 def _check_head_grad() -> None:
     """The fp32 head's backward pass over the kept log-softmax (``lm_head_triton.head_grad``) against its
     torch reference: fp32 out to fp32 rounding (``exp``'s last ulp), bf16 out to ``_close``'s bf16 bound."""
@@ -263,8 +314,8 @@ def _check_grouped_mm() -> None:
 
 
 def _main() -> None:
-    run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_head_grad,
-                  _check_grouped_mm))
+    run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_conv_backward,
+                _check_head_grad, _check_grouped_mm))
 
 
 if __name__ == "__main__":

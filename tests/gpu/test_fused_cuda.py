@@ -115,3 +115,38 @@ def test_silu_mul_and_grad_through_reference() -> None:
     # the backward is the reference's at the kernel's inputs; its upstream gradient (2y) differs only
     # where the forward bits do
     torch.testing.assert_close(g_fused.float(), h.grad.float(), rtol=2 * 2.0**-7, atol=1e-2)
+
+
+def test_conv_backward_kernel_no_worse_than_the_reference_gradient() -> None:
+    """The trainer's conv backward (``causal_conv1d`` with grad on CUDA: the backward kernel) at the 9B GDN
+    conv width, packed sequences: dx and dw against float64, each at most as far as the torch reference's
+    gradient (``TITAN_FUSED_BACKWARD=0``, what the trainer ran before) plus half a bf16 ulp of slack."""
+    import os
+
+    from titan_rl_ext.kernels import conv
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    C, W = 8192, 4
+    cu = torch.tensor([0, 1000, 3000, 3001, 4096], device="cuda", dtype=torch.int32)
+    T = 4096
+    wide = torch.randn(T, C + 4096, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(C, W, device="cuda", generator=g) * 0.5).bfloat16()
+    dy = torch.randn(T, C, device="cuda", generator=g).bfloat16()
+    grads = {}
+    for path in ("1", "0"):
+        os.environ["TITAN_FUSED_BACKWARD"] = path
+        try:
+            x = wide[:, 1024 : 1024 + C].detach().requires_grad_(True)  # a column slice, as the GDN hands it over
+            ww = w.detach().requires_grad_(True)
+            y, _ = conv.causal_conv1d(x, ww, cu)
+            grads[path] = torch.autograd.grad(y, (x, ww), dy)
+        finally:
+            os.environ.pop("TITAN_FUSED_BACKWARD", None)
+    x64 = wide[:, 1024 : 1024 + C].double().requires_grad_(True)
+    w64 = w.double().requires_grad_(True)
+    y64, _ = conv.causal_conv1d_torch(x64, w64, cu.long())
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    for i, ref64 in enumerate((dx64, dw64)):
+        err_fused = (grads["1"][i].double() - ref64).abs().max().item()
+        err_ref = (grads["0"][i].double() - ref64).abs().max().item()
+        assert err_fused <= err_ref + 2.0**-9 * ref64.abs().max().item(), (i, err_fused, err_ref)

@@ -14,9 +14,10 @@ torch ones agree bit for bit, the kernel to fp32 rounding (it may fuse multiply-
 
 from __future__ import annotations
 
-import torch
-
 import functools
+from typing import Any
+
+import torch
 
 from titan_rl_ext.kernels import ops
 
@@ -123,12 +124,42 @@ def causal_conv1d_torch(
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> object:
+def _kernels() -> Any:
     try:
-        from titan_rl_ext.kernels.conv_triton import causal_conv1d_triton
+        from titan_rl_ext.kernels import conv_triton
     except Exception:  # no triton, or one that cannot initialise
         return None
-    return causal_conv1d_triton
+    return conv_triton
+
+
+class _ConvKernelForwardBackward(torch.autograd.Function):
+    """The Triton conv with its own backward kernel (no initial state, no bias: the trainer's call). A gradient
+    reaching the final states (never, in training) is taken through ``causal_conv1d_torch`` instead."""
+
+    @staticmethod
+    def forward(ctx, x, w, cu_seqlens, activation):  # type: ignore[no-untyped-def]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, w, cu_seqlens)
+        ctx.activation = activation
+        return _kernels().causal_conv1d_triton(x, w, cu_seqlens, None, None, activation)
+
+    @staticmethod
+    def backward(ctx, dy, d_final):  # type: ignore[no-untyped-def]
+        x, w, cu = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if d_final is not None:
+            xs = x.detach().requires_grad_(need_x)
+            ws = w.detach().requires_grad_(need_w)
+            with torch.enable_grad():
+                y, final = causal_conv1d_torch(xs, ws, cu, None, None, ctx.activation)
+            outs, grads = zip(*[(o, g) for o, g in ((y, dy), (final, d_final)) if g is not None])
+            wrt = [t for t in (xs, ws) if t.requires_grad]
+            got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+            return (next(got) if need_x else None), (next(got) if need_w else None), None, None
+        if dy is None:
+            return None, None, None, None
+        dx, dw = _kernels().causal_conv1d_backward_triton(x, w, cu, dy, ctx.activation)
+        return (dx if need_x else None), (dw if need_w else None), None, None
 
 
 def causal_conv1d(
@@ -140,13 +171,18 @@ def causal_conv1d(
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's conv: one Triton launch (plus one for the states) on CUDA, ``causal_conv1d_torch``
-    elsewhere. Differentiable on both (the kernel's gradient is ``causal_conv1d_torch``'s at the same inputs)."""
-    from titan_rl_ext.kernels.rows import fused_switched_on, kernel_with_reference_grad
+    elsewhere. Differentiable on both: on CUDA without initial state or bias (training) by the backward kernel
+    (``TITAN_FUSED_BACKWARD=0``: by ``causal_conv1d_torch``'s gradient at the same inputs, as otherwise)."""
+    from titan_rl_ext.kernels.rows import fused_backward_on, fused_switched_on, kernel_with_reference_grad
 
-    kernel = _kernel()
-    if kernel is None or not x_TC.is_cuda or not fused_switched_on():
+    k = _kernels()
+    if k is None or not x_TC.is_cuda or not fused_switched_on():
         return causal_conv1d_torch(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation)
     _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
+    grad = torch.is_grad_enabled() and (x_TC.requires_grad or weight_CW.requires_grad)
+    if grad and bias_C is None and initial_state is None and fused_backward_on():
+        return _ConvKernelForwardBackward.apply(x_TC, weight_CW, cu_seqlens, activation)
+    kernel = k.causal_conv1d_triton
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return kernel(x, w, cu_seqlens, b, s, activation)

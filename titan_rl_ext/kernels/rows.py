@@ -84,6 +84,15 @@ def fused_switched_on() -> bool:
     return os.environ.get(FUSED_ENV, "1") != "0"
 
 
+FUSED_BACKWARD_ENV = "TITAN_FUSED_BACKWARD"
+
+
+def fused_backward_on() -> bool:
+    """``TITAN_FUSED_BACKWARD`` is not "0": the fused kernels that have a backward kernel of their own use it; "0"
+    differentiates their torch reference instead (the path before those kernels, kept to measure against)."""
+    return os.environ.get(FUSED_BACKWARD_ENV, "1") != "0"
+
+
 def fused_available(*ts: torch.Tensor | None) -> bool:
     """Whether the Triton kernels run for these tensors: all on CUDA, triton importable, not switched off."""
     return fused_switched_on() and all(t is None or t.is_cuda for t in ts) and _kernels() is not None

@@ -152,6 +152,64 @@ def _check_reference_grad() -> None:
     assert x2.grad is not None and x2.grad.shape == x2.shape
 
 
+def _check_row_backward() -> None:
+    """The backward kernels of the norms (all four modes) and SwiGLU against the float64 gradient of their torch
+    references: fp32 as close as the fp32 reference's own gradient (1e-5 relative to the largest entry); bf16 no
+    further from float64 than the bf16 reference's gradient (what ran before) plus one bf16 ulp of the largest
+    entry (the interpreter truncates its casts). Rows as the layers hand them over: head views of wider buffers.
+    Through ``kernel_with_reference_grad(..., backward=)``: the kernel's gradients, ``TITAN_FUSED_BACKWARD=0``
+    the reference's."""
+    import functools
+    import os
+
+    import torch
+
+    from row_grad_cases import reference_grads, row_grad_cases
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(12)
+    T, H, D = 9, 3, 96  # D not a power of two: masked lanes
+
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = (torch.randn(T, H * D + 16, generator=g) * 2).to(dtype)
+        x = wide[:, 16:].view(T, H, D)  # a head view: rows strided in two levels
+        z = torch.randn(T, H, D, generator=g).to(dtype)
+        w = (torch.randn(D, generator=g) * 0.3 + 1).to(dtype)
+        cases = row_grad_cases(x, z, w)
+        for name, (ref, ins, bwd) in cases.items():
+            out_dtype = torch.float32 if name == "l2" else dtype
+            dy = torch.randn(T, H, D, generator=g).to(out_dtype)
+            got = bwd(*ins, dy)
+            want64 = reference_grads(ref, tuple(t.double() for t in ins), dy.double())
+            ref_now = reference_grads(ref, ins, dy)
+            for i, (a, b64, r) in enumerate(zip(got, want64, ref_now)):
+                assert a.dtype == ins[i].dtype and a.shape == ins[i].shape, (name, i)
+                big = b64.abs().max().item()
+                err = (a.double() - b64).abs().max().item()
+                if dtype == torch.float32:
+                    assert err <= 1e-5 * big, (name, i, err, big)
+                else:
+                    err_ref = (r.double() - b64).abs().max().item()
+                    assert err <= err_ref + 2.0**-7 * big, (name, i, err, err_ref, big)
+    # the dispatch wrapper: the backward kernel's gradients, or with TITAN_FUSED_BACKWARD=0 the reference's
+    xg = torch.randn(5, 64, generator=g, requires_grad=True)
+    wg = torch.randn(64, generator=g, requires_grad=True)
+    dy = torch.randn(5, 64, generator=g)
+    ref = functools.partial(rows.rms_norm_torch, eps=1e-6, zero_centered=True)
+    kern = lambda x, w: rt.norm_rows(x, w, 1e-6, 1)  # noqa: E731
+    bwd = lambda x, w, dy: rt.norm_rows_backward(x, w, 1e-6, 1, dy)[:2]  # noqa: E731
+    fused = torch.autograd.grad(rows.kernel_with_reference_grad(kern, ref, xg, wg, backward=bwd), (xg, wg), dy)
+    assert all(torch.equal(a, b) for a, b in zip(fused, bwd(xg.detach(), wg.detach(), dy)))
+    os.environ["TITAN_FUSED_BACKWARD"] = "0"
+    try:
+        off = torch.autograd.grad(rows.kernel_with_reference_grad(kern, ref, xg, wg, backward=bwd), (xg, wg), dy)
+    finally:
+        del os.environ["TITAN_FUSED_BACKWARD"]
+    assert all(torch.equal(a, b) for a, b in zip(off, torch.autograd.grad(ref(xg, wg), (xg, wg), dy)))
+
+
 def _check_conv() -> None:
     import torch
 
@@ -314,8 +372,8 @@ def _check_grouped_mm() -> None:
 
 
 def _main() -> None:
-    run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_conv, _check_conv_backward,
-                _check_head_grad, _check_grouped_mm))
+    run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_row_backward, _check_conv,
+                _check_conv_backward, _check_head_grad, _check_grouped_mm))
 
 
 if __name__ == "__main__":

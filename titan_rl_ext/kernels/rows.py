@@ -99,17 +99,22 @@ def fused_available(*ts: torch.Tensor | None) -> bool:
 
 
 class _KernelForwardReferenceBackward(torch.autograd.Function):
-    """Forward: ``kernel(*inputs)``. Backward: the gradient of ``reference`` at the saved inputs."""
+    """Forward: ``kernel(*inputs)``. Backward: ``backward(*inputs, *grads)`` -- a backward kernel returning one
+    gradient per input -- where one is given and ``fused_backward_on()``; else the gradient of ``reference`` at
+    the saved inputs."""
 
     @staticmethod
-    def forward(ctx, kernel, reference, *inputs):  # type: ignore[no-untyped-def]
-        ctx.reference = reference
+    def forward(ctx, kernel, reference, backward, *inputs):  # type: ignore[no-untyped-def]
+        ctx.reference, ctx.backward_kernel = reference, backward
         ctx.save_for_backward(*inputs)
         return kernel(*inputs)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[no-untyped-def]
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[3:]
+        if ctx.backward_kernel is not None and fused_backward_on() and all(g is not None for g in grads):
+            got = ctx.backward_kernel(*ctx.saved_tensors, *grads)
+            return (None, None, None, *[g if n else None for g, n in zip(got, needs)])
         inputs = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(ctx.saved_tensors, needs)]
         with torch.enable_grad():
             outs = ctx.reference(*inputs)
@@ -117,17 +122,19 @@ class _KernelForwardReferenceBackward(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
         wrt = [t for t in inputs if t is not None and t.requires_grad]
         if not pairs or not wrt:
-            return (None, None, *[None] * len(inputs))
+            return (None, None, None, *[None] * len(inputs))
         got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
-        return (None, None, *[next(got) if t is not None and t.requires_grad else None for t in inputs])
+        return (None, None, None, *[next(got) if t is not None and t.requires_grad else None for t in inputs])
 
 
 def kernel_with_reference_grad(
-    kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: torch.Tensor | None
+    kernel: Callable[..., Any], reference: Callable[..., Any], *inputs: torch.Tensor | None,
+    backward: Callable[..., Any] | None = None,
 ) -> Any:
-    """``kernel(*inputs)``, differentiable through ``reference`` when any input requires grad."""
+    """``kernel(*inputs)``, differentiable when any input requires grad: by ``backward`` (a backward kernel,
+    ``TITAN_FUSED_BACKWARD`` permitting) or else through ``reference``."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return _KernelForwardReferenceBackward.apply(kernel, reference, *inputs)
+        return _KernelForwardReferenceBackward.apply(kernel, reference, backward, *inputs)
     return kernel(*inputs)
 
 
@@ -142,10 +149,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     k = _kernels()
     out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
 
-    def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return k.norm_rows(x, w.contiguous(), eps, 1 if zero_centered else 0, out_dtype=out)
+    mode = 1 if zero_centered else 0
 
-    return kernel_with_reference_grad(kernel, functools.partial(rms_norm_torch, eps=eps, zero_centered=zero_centered), x, weight)
+    def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return k.norm_rows(x, w.contiguous(), eps, mode, out_dtype=out)
+
+    def backward(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dx, dw, _ = k.norm_rows_backward(x, w.contiguous(), eps, mode, dy)
+        return dx, dw
+
+    return kernel_with_reference_grad(kernel, functools.partial(rms_norm_torch, eps=eps, zero_centered=zero_centered),
+                                      x, weight, backward=backward)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,7 +174,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     def kernel(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return k.norm_rows(x, w.contiguous(), eps, 2, gate=z, mid_dtype=mid)
 
-    return kernel_with_reference_grad(kernel, functools.partial(gated_rms_norm_torch, eps=eps), x, gate, weight)
+    def backward(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[Any, Any, Any]:
+        dx, dw, dz = k.norm_rows_backward(x, w.contiguous(), eps, 2, dy, gate=z, mid_dtype=mid)
+        return dx, dz, dw
+
+    return kernel_with_reference_grad(kernel, functools.partial(gated_rms_norm_torch, eps=eps), x, gate, weight,
+                                      backward=backward)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -172,7 +191,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     def kernel(x: torch.Tensor) -> torch.Tensor:
         return k.norm_rows(x, None, eps, 3, out_dtype=torch.float32)
 
-    return kernel_with_reference_grad(kernel, functools.partial(l2norm_torch, eps=eps), x)
+    def backward(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor]:
+        return (k.norm_rows_backward(x, None, eps, 3, dy)[0],)
+
+    return kernel_with_reference_grad(kernel, functools.partial(l2norm_torch, eps=eps), x, backward=backward)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -180,7 +202,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not (fused_available(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype
             and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return silu_mul_torch(gate, up)
-    return kernel_with_reference_grad(_kernels().silu_mul, silu_mul_torch, gate, up)
+    return kernel_with_reference_grad(_kernels().silu_mul, silu_mul_torch, gate, up, backward=_kernels().silu_mul_backward)
 
 
 def gdn_gates(

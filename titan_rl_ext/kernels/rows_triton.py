@@ -61,6 +61,76 @@ def _norm_rows_kernel(
     tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["R", "num_programs"])
+def _norm_rows_bwd_kernel(
+    x_ptr, w_ptr, z_ptr, dy_ptr, dx_ptr, dz_ptr, dw_part_ptr,
+    R, D, B, sxa, sxb, sza, szb, inv_d, eps, num_programs,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr, X_DTYPE: tl.constexpr, MID_DTYPE: tl.constexpr,
+):
+    """Backward of ``_norm_rows_kernel`` (same MODE), x_hat recomputed per row. With ``x_hat = x r``:
+
+        dx = r (g - x_hat sum(g x_hat) / D)      g = dL/dx_hat; l2norm (MODE 3): sum instead of mean
+        dw = sum over rows of dy * x_hat (MODE 1) or dy' * x_hat in x's dtype (MODES 0, 2; dy' = dy * silu(z))
+        dz = dy * (w x_hat) * silu'(z)           MODE 2
+
+    The roundings of the forward (x_hat to x's dtype, w x_hat to MID) pass gradients straight through, as
+    autograd does for a cast. A fixed number of programs loop over the row tiles, each keeping its share of dw
+    in fp32 and writing it once; the caller sums the shares in order."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    if MODE != 3:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for tile in range(pid, tl.cdiv(R, ROWS), num_programs):
+        rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        mask = (rows < R)[:, None] & cmask[None, :]
+        ra, rb = rows // B, rows % B
+        x = tl.load(x_ptr + (ra * sxa + rb * sxb)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        ss = tl.sum(x * x, axis=1)
+        if MODE == 3:
+            r = tl.math.rsqrt(ss + eps)
+            y = x * r[:, None]
+            dx = r[:, None] * (dy - y * tl.sum(dy * y, axis=1)[:, None])
+        else:
+            r = tl.math.rsqrt(ss * inv_d + eps)
+            x_hat = x * r[:, None]
+            if MODE == 1:
+                g = dy * (1.0 + w)[None, :]
+                dw += tl.sum(dy * x_hat, axis=0)
+            else:
+                x_r = x_hat.to(X_DTYPE).to(tl.float32)
+                if MODE == 2:
+                    z = tl.load(z_ptr + (ra * sza + rb * szb)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                    sz = tl.sigmoid(z)
+                    y_mid = (w[None, :] * x_r).to(MID_DTYPE).to(tl.float32)
+                    dz = dy * y_mid * (sz + z * sz * (1.0 - sz))
+                    tl.store(dz_ptr + rows[:, None] * D + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+                    dy = dy * (z * sz)
+                g = dy * w[None, :]
+                dw += tl.sum(dy * x_r, axis=0)
+            dx = r[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) * inv_d)[:, None])
+        tl.store(dx_ptr + rows[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if MODE != 3:
+        tl.store(dw_part_ptr + pid.to(tl.int64) * D + cols, dw, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _silu_mul_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, R, D, stride_g, stride_u, BLOCK: tl.constexpr):
+    """``dg = dy * u * silu'(g)``, ``du = dy * silu(g)`` (silu(g) rounded to the input dtype, as the forward)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    sg = tl.sigmoid(g)
+    s = (g * sg).to(du_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dg_ptr + row * D + cols, (dy * u * (sg + g * sg * (1.0 - sg))).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + row * D + cols, (dy * s).to(du_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, R, D, stride_g, stride_u, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -140,6 +210,54 @@ def norm_rows(
         MID_DTYPE=_TL_DTYPES[mid_dtype or x.dtype], num_warps=warps,
     )
     return y
+
+
+def norm_rows_backward(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: int, dy: torch.Tensor,
+    gate: torch.Tensor | None = None, mid_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dw, dz)`` of ``norm_rows`` (dx in x's dtype and shape, dw in the weight's dtype or None in mode 3,
+    dz in the gate's dtype in mode 2 else None), one launch plus the sum of the per-program dw shares."""
+    D = x.shape[-1]
+    x3 = _rows_3d(x)
+    A, B = x3.shape[0], x3.shape[1]
+    R = A * B
+    dy2 = dy.reshape(R, D).contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dz = torch.empty(gate.shape, dtype=gate.dtype, device=x.device) if mode == 2 and gate is not None else None
+    block, rows, warps = row_tile(D)
+    n_prog = max(1, min(triton.cdiv(R, rows), 4 * _sm_count(x.device)))
+    dw_part = torch.zeros(n_prog, D, dtype=torch.float32, device=x.device) if mode != 3 else None
+    if R and D:
+        z3 = _rows_3d(gate) if gate is not None else x3
+        _norm_rows_bwd_kernel[(n_prog,)](
+            x3, weight if weight is not None else x3, z3, dy2, dx, dz if dz is not None else dx,
+            dw_part if dw_part is not None else dx,
+            R, D, B, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), 1.0 / D, eps, n_prog,
+            BLOCK_D=block, ROWS=rows, MODE=mode, X_DTYPE=_TL_DTYPES[x.dtype],
+            MID_DTYPE=_TL_DTYPES[mid_dtype or x.dtype], num_warps=warps,
+        )
+    dw = None if dw_part is None or weight is None else dw_part.sum(0).to(weight.dtype)
+    return dx, dw, dz
+
+
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d gate, d up)`` of ``silu_mul``, one launch (contiguous, the inputs' dtype)."""
+    D = gate.shape[-1]
+    g2, u2 = _rows_2d(gate), _rows_2d(up)
+    R = g2.shape[0]
+    dy2 = dy.reshape(R, D).contiguous()
+    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if R and D:
+        block = min(4096, triton.next_power_of_2(D))
+        _silu_mul_bwd_kernel[(R, triton.cdiv(D, block))](g2, u2, dy2, dg, du, R, D, g2.stride(0), u2.stride(0),
+                                                         BLOCK=block, num_warps=4)
+    return dg, du
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,17 @@ def test_bi_gemm_invariant_all_row_counts_bf16(name: str) -> None:
     _gemm_case(K, N, torch.bfloat16, ALL_ROWS)
 
 
+# the trainer's and a prefill's row counts, across every M-bucket bound a tile table may have (issue 25: invariant
+# at every row count 1..16384 on every shape both sides use)
+LARGE_ROWS = [1023, 1024, 1025, 2047, 2049, 3001, 4095, 4096, 4097, 8191, 8192, 8193, 12289, 16383, 16384]
+
+
+@pytest.mark.parametrize("name", list(GEMM_SHAPES))
+def test_bi_gemm_invariant_large_row_counts_bf16(name: str) -> None:
+    K, N = GEMM_SHAPES[name]
+    _gemm_case(K, N, torch.bfloat16, LARGE_ROWS)
+
+
 def test_bi_gemm_lm_head_bf16() -> None:
     _gemm_case(*LM_HEAD, torch.bfloat16, LM_HEAD_ROWS)
 

@@ -99,3 +99,30 @@ def test_row_reductions_backward(dev: str) -> None:
         ref(x).backward(gy)
         # the gradient 2 x gy (/ D) is elementwise: equal up to one rounding of the scale
         torch.testing.assert_close(got, x.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_gemm_tile_table_is_read_per_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A GPU's measured M-bucket table (``bi_gemm_tables.json``) decides the bf16 tiles on that GPU only; another
+    GPU, another dtype or no table keeps the built-in configurations."""
+    import json
+
+    tri = pytest.importorskip("titan_rl_ext.kernels.batch_invariant_triton")
+    table = {"GPU A": [{"max_m": 16, "config": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 8}},
+                       {"max_m": 1 << 30, "config": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "tma": True,
+                                                     "persistent": False}}]}
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(tri, "TABLES_FILE", path)
+    tri.device_table.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+        monkeypatch.setattr(tri, "_gpu_name", lambda device: "GPU A")
+        assert tri.mm_config(1, torch.bfloat16, cuda) == tri.MMConfig(16, 32, 64, num_stages=8)
+        big = tri.mm_config(8192, torch.bfloat16, cuda)
+        assert (big.BLOCK_N, big.tma, big.persistent) == (256, True, False)
+        assert tri.mm_config(8192, torch.float32, cuda) == tri._MM_CONFIGS[torch.float32]  # bf16 only
+        monkeypatch.setattr(tri, "_gpu_name", lambda device: "GPU B")
+        assert tri.mm_config(1, torch.bfloat16, cuda) == tri._SMALL_M_CONFIGS[torch.bfloat16][0][1]
+        assert tri.mm_config(1, torch.bfloat16) == tri._SMALL_M_CONFIGS[torch.bfloat16][0][1]  # no device
+    finally:
+        tri.device_table.cache_clear()

@@ -12,13 +12,15 @@ each M, it checks every configuration's bits against the default's (rows 0..M-1 
 largest M: batch invariance across configurations *and* row counts) and times it against cuBLAS
 (``F.linear`` / ``torch.mm(out_dtype=fp32)``). It prints the fastest bit-equal configuration per shape and M,
 and a proposed M-bucket table (the configuration with the least total time over the shapes in each bucket) --
-what ``_SMALL_M_CONFIGS`` / ``_MM_CONFIGS`` in ``kernels/batch_invariant_triton.py`` should hold on this GPU.
+what ``bi_matmul`` should use on this GPU; ``--table-out titan_rl_ext/kernels/bi_gemm_tables.json`` writes it
+where ``mm_config`` reads it (only bit-equal configurations can be proposed).
 Targets (issue 25): >= 0.9x cuBLAS at M >= 1024, >= 0.8x at M <= 256.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -97,6 +99,8 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,64,256,1024,4096,8192,16384")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="the first four configurations and two shapes")
+    ap.add_argument("--table-out", default="", help="merge the proposal into this tables file under the GPU's name "
+                    "(titan_rl_ext/kernels/bi_gemm_tables.json is what bi_matmul reads)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     ms = [int(m) for m in args.ms.split(",")]
@@ -159,6 +163,14 @@ def main() -> int:
         table.append({"max_m": hi, "ms": in_b, "config": k_best, "bi_us": totals[k_best], "cublas_us": cub,
                       "cublas_over_bi": cub / totals[k_best], "default_us": totals.get(key(DEFAULT))})
     res["proposal"] = table
+    if args.table_out and not args.quick:
+        by_key = {key(c): c for c in cands}
+        path = Path(args.table_out)
+        tables = json.loads(path.read_text()) if path.exists() else {}
+        tables[res["gpu"]] = [{"max_m": row["max_m"], "config": dataclasses.asdict(by_key[row["config"]])}
+                              for row in table]
+        path.write_text(json.dumps(tables, indent=1) + "\n")
+        print(f"table for {res['gpu']} written to {path}")
     res["wall_s"] = time.perf_counter() - t0
     print("\nSUMMARY  fastest bit-equal configuration per M bucket (sum over shapes), cuBLAS time / BI time:")
     for row in table:

@@ -25,7 +25,9 @@ CPU tensors, which is how the CPU test suite checks it.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -72,8 +74,35 @@ _SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, MMConfig], ...]] = {
 ROW_BLOCK_D_MAX = 1024
 
 
-def mm_config(M: int, dtype: torch.dtype) -> MMConfig:
-    """The tile configuration ``bi_matmul`` uses for M rows of ``dtype`` (see ``_SMALL_M_CONFIGS``)."""
+# Per-GPU bf16 tables measured by ``tests/gpu/bi_gemm_tiles.py --table-out``: ``{gpu name: [{"max_m": int,
+# "config": MMConfig fields}, ...]}``, buckets ascending, the last one unbounded. Only configurations that gave the
+# default's bits on every shape at every M on that GPU enter a table, so a table changes speed, not bits; a GPU
+# without an entry uses the defaults above. A trainer and its generators on different GPU models use different
+# tables: their bits agree only where both GPUs round every configuration alike (measured on the H200 only).
+TABLES_FILE = Path(__file__).with_name("bi_gemm_tables.json")
+
+
+@functools.lru_cache(maxsize=None)
+def device_table(gpu_name: str) -> tuple[tuple[int, MMConfig], ...]:
+    """The measured bf16 M-bucket table of ``gpu_name`` (empty when none was measured)."""
+    if not TABLES_FILE.exists():
+        return ()
+    entry = json.loads(TABLES_FILE.read_text()).get(gpu_name, [])
+    return tuple((int(row["max_m"]), MMConfig(**row["config"])) for row in entry)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+
+def mm_config(M: int, dtype: torch.dtype, device: torch.device | None = None) -> MMConfig:
+    """The tile configuration ``bi_matmul`` uses for M rows of ``dtype`` on ``device``: the GPU's measured table
+    for bf16 where there is one (``TABLES_FILE``), else ``_SMALL_M_CONFIGS`` / ``_MM_CONFIGS``."""
+    if dtype == torch.bfloat16 and device is not None:
+        for max_m, cfg in device_table(_gpu_name(device)):
+            if M <= max_m:
+                return cfg
     for max_m, cfg in _SMALL_M_CONFIGS.get(dtype, ()):
         if M <= max_m:
             return cfg
@@ -220,7 +249,7 @@ def bi_matmul(
         return c
     if K == 0:
         return c.zero_()
-    cfg = config or mm_config(M, dtype)
+    cfg = config or mm_config(M, dtype, a.device)
     BM, BN, BK = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     n_prog = min(_num_programs(a.device), n_tiles) if cfg.persistent else n_tiles

@@ -16,6 +16,10 @@ py=${PY:-python3}                 # PY=.venv/bin/python ISSUE8_ARGS=--smoke OUT=
 extra=${ISSUE8_ARGS:-}
 stages=${*:-gemm gdn step inf}
 t_all=$(date +%s)
+# the autotuner's results from earlier leases (tests/gpu/triton-autotune), and this lease's for the next one
+source tests/gpu/triton_autotune.sh
+triton_autotune_restore
+trap 'triton_autotune_save "$out"' EXIT
 
 # fla-core: the GDN kernels (recurrent = BI forward, chunk = non-BI). Use an installed one, else the carried wheel.
 if ! $py -c "import fla.ops.gated_delta_rule" >/dev/null 2>&1 && [ -z "$extra" ]; then

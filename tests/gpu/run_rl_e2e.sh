@@ -28,7 +28,11 @@ if [ ! -d /tmp/triton-cache ]; then
     [ -f .gpu-carry/triton-cache.tar.gz ] && tar -xzf .gpu-carry/triton-cache.tar.gz -C /tmp/triton-cache \
         && echo "triton cache: $(find /tmp/triton-cache -type f | wc -l) files from .gpu-carry"
 fi
+# the autotuner's results alone are small: tests/gpu/triton_autotune.sh carries them in the repo
+source "$(dirname "$0")/triton_autotune.sh"
+triton_autotune_restore
 save_triton_cache() {
+    triton_autotune_save "$out"
     tar -czf "$out/triton-cache.tar.gz" -C /tmp/triton-cache . 2>/dev/null
     local mb=$(( $(stat -c %s "$out/triton-cache.tar.gz") / 1048576 ))
     [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }

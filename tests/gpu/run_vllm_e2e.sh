@@ -22,6 +22,10 @@ ck=/tmp/ckpt
 mkdir -p "$out" "$ck"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
+# autotuning results from earlier leases (vLLM's native GDN kernels alone autotune for minutes on a cold machine)
+source "$(dirname "$0")/triton_autotune.sh"
+triton_autotune_restore
+trap 'triton_autotune_save "$out"' EXIT
 what=${1:-all}
 
 if [[ $what == setup || $what == all ]]; then

@@ -8,15 +8,11 @@ be overridden on the command line, e.g. ``--training.steps 20``.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
+from titan_rl_ext.paths import cache_dir
+
 TINY_DATASET = "titan_tiny_corpus"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TITAN_RL_CACHE", Path.home() / ".cache" / "vllm-titan"))
 
 
 def tiny_tokenizer_dir() -> str:

@@ -164,7 +164,7 @@ class BM25Index:
         passages = load_corpus(corpus_path)
         digest = hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest()[:16]
         if cache_dir is None:
-            from titan_rl_ext.configs import cache_dir as default_cache
+            from titan_rl_ext.paths import cache_dir as default_cache
 
             cache_dir = default_cache() / "bm25"
         where = Path(cache_dir) / f"bm25_{digest}"

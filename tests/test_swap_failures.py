@@ -163,3 +163,48 @@ def test_version_route_reports_dirty() -> None:
     state.dirty = "push of v3 failed in a worker"
     assert client.get(VERSION_ROUTE).json() == {"version": 0, "boot_id": state.boot_id, "push_port": None,
                                                 "dirty": "push of v3 failed in a worker"}
+
+
+def test_pushes_stage_one_payload_at_a_time() -> None:
+    """Concurrent pushes to one server, on its two event loops (the API server's and the weights listener's),
+    hold the staging slot one at a time -- shared memory holds one model's bytes, not one per push -- and a push
+    cancelled while it waits for the slot leaves it free."""
+    import threading
+
+    from vllm_titan_plugin.swap.routes import staging_slot
+
+    state = _state(FakeEngine())
+    inside, peak, entries = [0], [0], [0]
+    guard = threading.Lock()
+
+    async def push() -> None:
+        async with staging_slot(state, poll_s=0.001):
+            with guard:
+                inside[0] += 1
+                entries[0] += 1
+                peak[0] = max(peak[0], inside[0])
+            await asyncio.sleep(0.005)
+            with guard:
+                inside[0] -= 1
+
+    async def pushes() -> None:
+        await asyncio.gather(*(push() for _ in range(4)))
+
+    loops = [threading.Thread(target=asyncio.run, args=(pushes(),)) for _ in range(2)]
+    for t in loops:
+        t.start()
+    for t in loops:
+        t.join(timeout=30)
+    assert entries[0] == 8 and peak[0] == 1, (entries, peak)
+
+    async def cancelled_waiter() -> None:
+        async with staging_slot(state):
+            waiter = asyncio.create_task(push())
+            await asyncio.sleep(0.02)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+        assert state.staging.acquire(blocking=False)  # free: the cancelled push took nothing
+        state.staging.release()
+
+    asyncio.run(cancelled_waiter())

@@ -24,7 +24,8 @@
 Reading and validating a payload happen on whichever event loop serves the route (the listener's own,
 see ``swap.listener``); everything that talks to the engine runs on the API server's loop, where vLLM's
 engine client lives (``SwapState.on_engine_loop``). The payload reaches the workers as a file path
-(``/dev/shm`` when available), never as pickled tensors. The token is never logged.
+(``/dev/shm`` when available), never as pickled tensors, one payload at a time (``staging_slot``: a second push
+waits, its body unread, until the first has swapped or failed). The token is never logged.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -119,6 +121,8 @@ class SwapState:
         # why the served weights may be a mix of two versions (a push failed after its copy began): while
         # set, generation routes answer 503 (tagging.WeightVersionMiddleware) until a full push lands
         self.dirty: str | None = None
+        # one payload staged at a time (see staging_slot); a thread semaphore: pushes arrive on two event loops
+        self.staging = threading.BoundedSemaphore(1)
 
     def __repr__(self) -> str:  # never show the token
         return f"SwapState(version={self.version})"
@@ -198,6 +202,21 @@ def _error(status: int, message: str, tensors: list[str] | None = None) -> Any:
         body["tensors"] = tensors
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def staging_slot(state: SwapState, poll_s: float = 0.02) -> AsyncIterator[None]:
+    """Held from before a push reads its body until its payload file is deleted: concurrent pushes to one server
+    stage one model's bytes in shared memory at a time, not one each (``/dev/shm`` is a share of the host's RAM).
+    A later push waits here -- its body unread, so TCP holds the sender -- and then meets the version check as
+    usual. Polled rather than awaited: the semaphore is shared by the API server's loop and the listener's, and
+    a push cancelled while it waits has taken nothing."""
+    while not state.staging.acquire(blocking=False):
+        await asyncio.sleep(poll_s)
+    try:
+        yield
+    finally:
+        state.staging.release()
 
 
 def _payload_dir() -> str | None:
@@ -312,16 +331,21 @@ def make_router(state: SwapState) -> Any:
             return _error(413, f"payload of {declared} bytes exceeds {limit} bytes (2x the model's size + 1 MiB)")
         path = None
         try:
-            t0 = time.perf_counter()
-            path, size = await _receive_to_file(request, limit)
-            receive_s = time.perf_counter() - t0
-            if version <= state.version:  # a concurrent push got there first (checked again under the lock)
-                return _stale(version, state.version)
-            t0 = time.perf_counter()
-            num = await asyncio.to_thread(validate_payload, path, spec)
-            validate_s = time.perf_counter() - t0
-            done = await state.on_engine_loop(
-                _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep"), pause=pause))
+            async with staging_slot(state):
+                try:
+                    t0 = time.perf_counter()
+                    path, size = await _receive_to_file(request, limit)
+                    receive_s = time.perf_counter() - t0
+                    if version <= state.version:  # a concurrent push got there first (checked again under the lock)
+                        return _stale(version, state.version)
+                    t0 = time.perf_counter()
+                    num = await asyncio.to_thread(validate_payload, path, spec)
+                    validate_s = time.perf_counter() - t0
+                    done = await state.on_engine_loop(
+                        _locked_swap(state, "titan_load_weights", path, version, keep_cache=(mode == "keep"), pause=pause))
+                finally:
+                    if path is not None and os.path.exists(path):
+                        os.unlink(path)
         except PushRejected as e:
             logger.warning("titan weight push v%d rejected (%d): %s", version, e.status, e.message[:500])
             return _error(e.status, e.message, e.tensors)
@@ -331,9 +355,6 @@ def make_router(state: SwapState) -> Any:
         except Exception as e:  # the workers re-check before copying, so the weights are still the old ones
             logger.exception("titan weight push v%d failed", version)
             return _error(500, f"weight swap failed: {type(e).__name__}: {e}")
-        finally:
-            if path is not None and os.path.exists(path):
-                os.unlink(path)
         logger.info("titan weights v%d swapped in %.3f s (validated in %.3f s, %d tensors, %d bytes, mode=%s, "
                     "%d requests in flight)", version, done.seconds, validate_s, num, size, mode, done.in_flight)
         return PushResponse(version=version, boot_id=state.boot_id, num_tensors=num, bytes=size,

@@ -264,3 +264,17 @@ def test_generator_client_server_state() -> None:
 
     assert asyncio.run(ask("up")) == {"version": 3, "boot_id": "b1", "dirty": None}
     assert asyncio.run(ask("err")) is None and asyncio.run(ask("down")) is None
+
+
+def test_generators_must_run_the_trainers_recurrent_gdn_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before BI steps the trainer compares each generator's recurrent GDN kernel (the version route's
+    ``gdn_recurrent``) with its own: a mismatch stops the run naming both; a server that does not say passes."""
+    from titan_rl_ext.rl.generator_link import check_recurrent_kernels
+
+    monkeypatch.setenv("TITAN_GDN_RECURRENT", "titan")
+    check_recurrent_kernels({"http://a": {"version": 0, "gdn_recurrent": "titan"}, "http://b": {"version": 0}})
+    with pytest.raises(ValueError, match=r"this trainer runs 'titan', but http://b runs 'fla'.*TITAN_GDN_RECURRENT"):
+        check_recurrent_kernels({"http://a": {"gdn_recurrent": "titan"}, "http://b": {"gdn_recurrent": "fla"}})
+    monkeypatch.delenv("TITAN_GDN_RECURRENT")  # the default, fla
+    with pytest.raises(ValueError, match="http://a runs 'titan'"):
+        check_recurrent_kernels({"http://a": {"gdn_recurrent": "titan"}})

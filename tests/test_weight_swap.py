@@ -145,6 +145,11 @@ def test_auth_and_version_conflict(server: Server) -> None:
     assert r.status_code == 409, r.text
     assert _push_raw(server, body, v - 1).status_code == 409
     assert _version(server) == v
+    # the version route also says which recurrent GDN kernel the server runs (the trainer checks it before BI)
+    from titan_rl_ext.kernels.gdn import recurrent_kernel
+
+    doc = requests.get(f"{server.base}{ROUTE}/version", timeout=10).json()
+    assert doc["gdn_recurrent"] == recurrent_kernel(), doc  # the server inherits this process's setting
 
 
 # -- rejected pushes leave the weights alone ---------------------------------------------------------------

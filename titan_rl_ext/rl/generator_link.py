@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titan_rl_ext.kernels.batch_invariant import ENV_VAR as BI_ENV
-from titan_rl_ext.wire.protocol import SWAP_PORT_ENV, TOKEN_ENV, VERSION_ROUTE
+from titan_rl_ext.wire.protocol import GDN_RECURRENT_FIELD, SWAP_PORT_ENV, TOKEN_ENV, VERSION_ROUTE
 
 if TYPE_CHECKING:
     from titan_rl_ext.rl.config import RLConfig
@@ -24,6 +24,19 @@ if TYPE_CHECKING:
     from titan_rl_ext.rl.weight_sync import WeightPusher
 
 logger = logging.getLogger(__name__)
+
+
+def check_recurrent_kernels(answers: dict[str, dict[str, Any]]) -> None:
+    """Before BI steps: every generator runs the trainer's recurrent GDN kernel (``TITAN_GDN_RECURRENT``), or the
+    run stops here naming the difference. A server too old to say passes (its BI gap will tell)."""
+    from titan_rl_ext.kernels.gdn import RECURRENT_ENV, recurrent_kernel
+
+    ours = recurrent_kernel()
+    other = {u: a[GDN_RECURRENT_FIELD] for u, a in answers.items() if a.get(GDN_RECURRENT_FIELD) not in (None, ours)}
+    if other:
+        raise ValueError(f"{RECURRENT_ENV}: this trainer runs {ours!r}, but " + ", ".join(
+            f"{u} runs {k!r}" for u, k in other.items()) + f"; batch-invariant parity needs the same kernel on both "
+            f"sides: start the generators and the trainer with the same {RECURRENT_ENV}")
 
 
 class GeneratorLink:
@@ -66,7 +79,10 @@ class GeneratorLink:
         self.fleet = GeneratorFleet(self.pusher)
         self.set_batch_invariant(batch_invariant)
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        return {u: self.server_version(u) for u in urls}
+        answers = {u: self.server_info(u) for u in urls}
+        if self.rl.batch_invariant_steps > 0:  # the kernel matters to BI parity only
+            check_recurrent_kernels(answers)
+        return {u: (int(a["version"]), a.get("boot_id")) for u, a in answers.items()}
 
     def exited(self, url: str) -> str | None:
         """Why the generator at ``url`` is gone for good: the server this run spawned there exited."""
@@ -83,16 +99,15 @@ class GeneratorLink:
             return False
 
     @staticmethod
-    def server_version(url: str) -> tuple[int, str | None]:
-        """(weight version, boot id) of a generator."""
+    def server_info(url: str) -> dict[str, Any]:
+        """A generator's answer on the version route: weight version, boot id, its GDN recurrent kernel, ..."""
         import requests
 
         r = requests.get(f"{url.rstrip('/')}{VERSION_ROUTE}", timeout=30)
         if r.status_code == 404:
             raise RuntimeError(f"{url} has no weight-swap endpoint: start it with TITAN_SWAP_TOKEN set")
         r.raise_for_status()
-        body = r.json()
-        return int(body["version"]), body.get("boot_id")
+        return r.json()
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Switch the generators' batch invariance when it differs from what they run."""

@@ -26,6 +26,10 @@ when it serves a Unix socket only)."""
 PUSH_PORT_FIELD = "push_port"
 """Field of the version route's answer: the port of the server's own weights listener (absent or null when
 it runs none); pushers send there so a busy OpenAI event loop cannot delay a push."""
+GDN_RECURRENT_FIELD = "gdn_recurrent"
+"""Field of the version route's answer: the kernel of the server's recurrent GDN forwards (``TITAN_GDN_RECURRENT``).
+It rounds differently from the other one, so a trainer checks it matches its own before BI steps (a mismatch
+would show as a nonzero BI gap, with nothing to say why)."""
 SALT_PREFIX = "titan-v"
 """Prefix-cache salt of a request is ``titan-v<version>``: no cache hits across weight versions."""
 BOOT_HEADER = "x-titan-boot-id"

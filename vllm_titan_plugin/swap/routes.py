@@ -95,6 +95,7 @@ class VersionResponse(BaseModel):
     push_port: int | None = None
     # set while the weights may be mixed after a failed push (generation answers 503 meanwhile)
     dirty: str | None = None
+    gdn_recurrent: str | None = None  # protocol.GDN_RECURRENT_FIELD
 
 
 class ChecksumsResponse(BaseModel):
@@ -252,8 +253,14 @@ def make_router(state: SwapState) -> Any:
 
     @router.get(VERSION_ROUTE, response_model=VersionResponse)
     async def weight_version() -> VersionResponse:
+        from titan_rl_ext.kernels.gdn import RECURRENT_ENV, recurrent_kernel
+
+        try:
+            kernel = recurrent_kernel()
+        except ValueError:  # refused at start-up for a titan model; a native one does not run it
+            kernel = os.environ.get(RECURRENT_ENV)
         return VersionResponse(version=state.version, boot_id=state.boot_id, push_port=state.push_port,
-                               dirty=state.dirty)
+                               dirty=state.dirty, gdn_recurrent=kernel)
 
     @router.get(CHECKSUMS_ROUTE, response_model=ChecksumsResponse)
     async def weight_checksums(request: Request) -> Any:

@@ -1,4 +1,5 @@
-"""Gated delta rule: plain-PyTorch references and the FLA kernels behind one signature.
+"""Gated delta rule: plain-PyTorch references, FLA's kernels and the project's recurrent kernel
+(``kernels.gdn_triton``, chosen by ``TITAN_GDN_RECURRENT``) behind one signature.
 
 Recurrence per value head h (key head h // (HV // H)), with S of shape [K, V]:
 

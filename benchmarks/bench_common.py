@@ -19,15 +19,18 @@ Not a script. Each benchmark imports it as a sibling module (``sys.path`` gets t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -121,6 +124,22 @@ def two_rounds(med: list[float]) -> dict[str, float]:
     """The medians of the interleaved rounds as a row: r1 = first, r2 = last, ms = their mean, spread in %."""
     ms = statistics.mean(med)
     return {"ms_r1": med[0], "ms_r2": med[-1], "ms": ms, "spread_pct": 100 * abs(med[0] - med[-1]) / ms}
+
+
+@contextlib.contextmanager
+def env_set(**values: str) -> Iterator[None]:
+    """Environment switches the kernels read at each call (``TITAN_GDN_RECURRENT``, ``TITAN_FUSED_BACKWARD``) for
+    a block, restored afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ of each sequence -- i.e. ``Decoder.step`` with vLLM's logits selection and the p
 - decode: one step of B sequences (B in 1, 32, 256), each with ``--decode-ctx`` tokens of context
   already in its state (random KV / GDN states of the right shapes: the step's cost does not depend on
   their values) -> step latency and tokens/s.
-Both modes in the same process, two interleaved rounds each (median of reps per round).
+All modes in the same process, two interleaved rounds each (median of reps per round): BI and non-BI, each also
+with the project's recurrent GDN kernel (``*_rec``, ``TITAN_GDN_RECURRENT=titan``) in place of FLA's.
 Sanity checks: BI prefill last-token logits bit-identical when the sequences are packed in another
 order behind a filler sequence; BI decode logits of sequence 0 bit-identical at every batch size (exit
 code 1 if either fails).
@@ -35,10 +36,10 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it also puts the repo root on sys.path)
 from bench_common import Timer, base_parser, build_slice, env_summary, environment, fmt_table  # noqa: E402
-from bench_common import json_saver, print_header, resolve_device, two_packings, two_rounds  # noqa: E402
+from bench_common import env_set, json_saver, print_header, resolve_device, two_packings, two_rounds  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
-from titan_rl_ext.kernels.gdn import fla_available  # noqa: E402
+from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
 from titan_rl_ext.models.common.attention import KVState  # noqa: E402
 from titan_rl_ext.models.common.batch import SeqBatch  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, Decoder, LayerState  # noqa: E402
@@ -127,7 +128,9 @@ def main() -> int:
     print(f"    GDN: BI = recurrent {'FLA' if uses_fla else 'torch'}; non-BI = chunk (prefill) / recurrent (decode: "
           f"the wrapper picks it for <=2 tokens per sequence){' via FLA' if uses_fla else ' (torch)'}; "
           "head fp32 with BI, bf16 without (as the vLLM plugin)", flush=True)
-    modes = {"bi": True, "nonbi": False}
+    # *_rec: the project's recurrent GDN kernel (TITAN_GDN_RECURRENT=titan: BI's forward, non-BI decode) instead of FLA's
+    modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_rec": (True, {RECURRENT_ENV: "titan"}),
+             "nonbi_rec": (False, {RECURRENT_ENV: "titan"})}
     timer = Timer(dev)
     results: dict[str, Any] = {"env": env, "args": vars(args), "lengths": lengths, "batches": batches, "ctx": ctx,
                                "vocab": cfg.vocab_size}
@@ -141,8 +144,8 @@ def main() -> int:
     def prefill(on: bool, t: torch.Tensor = toks, b: SeqBatch = batch) -> torch.Tensor:
         return engine_step(model, t, b, model.init_states(b.num_seqs, dev), fp32_head=on, literal=args.literal_step)[0]
 
-    for mode, on in modes.items():  # order check (doubles as the compile warm-up)
-        with batch_invariant(on):
+    for mode, (on, sw) in modes.items():  # order check (doubles as the compile warm-up)
+        with batch_invariant(on), env_set(**sw):
             a, b = prefill(on), prefill(on, toks2, batch2)
         if args.literal_step:  # logits of every token: keep each sequence's last
             a = a[batch.cu_seqlens[1:].long() - 1]
@@ -154,8 +157,8 @@ def main() -> int:
           f"non-BI max |diff| {checks['prefill_order_nonbi_max_abs_diff']:.2e}", flush=True)
     med: dict[str, list[float]] = {m: [] for m in modes}
     for rnd in range(2):
-        for mode, on in modes.items():
-            with batch_invariant(on):
+        for mode, (on, sw) in modes.items():
+            with batch_invariant(on), env_set(**sw):
                 t = timer.run(lambda: prefill(on), warmup=1 if rnd == 0 else 0, reps=args.prefill_reps, max_s=args.max_s)
             med[mode].append(statistics.median(t))
             print(f"  prefill round {rnd + 1} {mode:<6} {med[mode][-1]:10.2f} ms", flush=True)
@@ -188,14 +191,14 @@ def main() -> int:
         tok_B = dec_toks[:B]
         batch_B = SeqBatch.from_lengths([1] * B, [ctx] * B, device=dev)
         med = {m: [] for m in modes}
-        for mode, on in modes.items():
-            with batch_invariant(on):
+        for mode, (on, sw) in modes.items():
+            with batch_invariant(on), env_set(**sw):
                 row0[mode][B] = engine_step(model, tok_B, batch_B, states, fp32_head=on, literal=args.literal_step)[0][0].clone()
         for rnd in range(2):
-            for mode, on in modes.items():
+            for mode, (on, sw) in modes.items():
                 def step(on: bool = on) -> Any:
                     return engine_step(model, tok_B, batch_B, states, fp32_head=on, literal=args.literal_step)
-                with batch_invariant(on):
+                with batch_invariant(on), env_set(**sw):
                     t = timer.run(step, warmup=2 if rnd == 0 else 1, reps=args.decode_reps, max_s=args.max_s)
                 med[mode].append(statistics.median(t))
         # bytes a step must move at least: weights once (BI: the head is also cast to fp32 every step,
@@ -227,6 +230,13 @@ def main() -> int:
             ratios.append({"phase": r["phase"], "B": r["B"], "bi_tok_s": r["tokens_per_s"], "nonbi_tok_s": base["tokens_per_s"],
                            "ratio": r["tokens_per_s"] / base["tokens_per_s"], "bi_ms": r["ms"], "nonbi_ms": base["ms"]})
     results["ratios"] = ratios
+    # the recurrent kernels against each other: *_rec over FLA's, and BI with the titan kernel over non-BI
+    results["ratios_rec"] = [
+        {"phase": r["phase"], "B": r["B"], "mode": r["mode"],
+         "over_fla": r["tokens_per_s"] / by[(r["phase"], r["B"], r["mode"][:-4])]["tokens_per_s"],
+         **({"bi_rec_over_nonbi": r["tokens_per_s"] / by[(r["phase"], r["B"], "nonbi")]["tokens_per_s"]}
+            if r["mode"] == "bi_rec" else {})}
+        for r in rows if r["mode"].endswith("_rec")]
     print(f"\nSUMMARY bi_inference  {env_summary(env)}")
     print(f"    4-layer 9B slice, vocab {cfg.vocab_size}; prefill T={T} {lengths} from empty states; decode at ctx {ctx} "
           "(random states); engine step = " + ("Decoder.step (bf16 logits of every token)" if args.literal_step
@@ -237,8 +247,12 @@ def main() -> int:
                            ("ms_r2", "r2 ms", ".2f"), ("spread_pct", "spread%", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),
                            ("tflops", "useful TF/s", ".1f"), ("gbs", "minIO GB/s", ".0f")]))
     print("RATIOS BI/non-BI throughput: " + "; ".join(f"{r['phase']} B={r['B']} {r['ratio']:.3f}" for r in ratios))
+    print("RATIOS titan recurrent GDN kernel / FLA's: " + "; ".join(
+        f"{r['mode']} {r['phase']} B={r['B']} {r['over_fla']:.3f}" for r in results["ratios_rec"]))
+    print("RATIOS BI (titan recurrent)/non-BI: " + "; ".join(
+        f"{r['phase']} B={r['B']} {r['bi_rec_over_nonbi']:.3f}" for r in results["ratios_rec"] if r["mode"] == "bi_rec"))
     print("checks: " + json.dumps(checks))
-    ok = checks["prefill_order_bi_identical"] and checks["decode_seq0_bi_identical_across_B"]
+    ok = all(checks[f"prefill_order_{m}_identical"] and checks[f"decode_seq0_{m}_identical_across_B"] for m in ("bi", "bi_rec"))
     if not ok:
         print("FAIL: BI inference results depend on batch composition")
     save()

@@ -28,12 +28,9 @@ BI then differentiates the torch chunked form and the non-BI step fails and is r
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +40,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it also puts the repo root on sys.path)
 from bench_common import FILLER_LEN, Timer, base_parser, build_slice, env_summary, environment  # noqa: E402
 from bench_common import fla_chunk_bwd_guard, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
-from bench_common import print_profile, profile_step, sync, two_packings, two_rounds  # noqa: E402
+from bench_common import env_set, print_profile, profile_step, sync, two_packings, two_rounds  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
@@ -54,22 +51,6 @@ from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
 from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
 GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
-
-@contextlib.contextmanager
-def env_set(**values: str) -> Iterator[None]:
-    """Environment switches the kernels read at each call (``TITAN_GDN_RECURRENT``, ``TITAN_FUSED_BACKWARD``) for
-    a block, restored afterwards."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 # --------------------------------------------------------------------------------------------------
 # FLOP count, profiler

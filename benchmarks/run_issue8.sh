@@ -65,7 +65,7 @@ for s in $stages; do
         gdn)  run_stage gdn_kernels 170 benchmarks/gdn_kernels.py ;;
         rec)  run_stage gdn_recurrent 240 benchmarks/gdn_recurrent.py ;;
         step) run_stage bi_trainer_step 240 benchmarks/bi_trainer_step.py --profile --budget-s 150 ;;
-        inf)  run_stage bi_inference 90 benchmarks/bi_inference.py --batches 1,32,256 --decode-ctx 512 --decode-reps 5 --max-s 6 ;;
+        inf)  run_stage bi_inference 150 benchmarks/bi_inference.py --batches 1,32,256 --decode-ctx 512 --decode-reps 5 --max-s 6 ;;
         *) echo "unknown stage $s (gemm gdn rec step inf)" ;;
     esac
 done

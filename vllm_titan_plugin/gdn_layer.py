@@ -5,7 +5,8 @@ hands each step the slot of every request plus whether it already holds state. T
 conv slots, zeroes the ones without prior state, runs the unchanged titan layer on the step's tokens
 (decodes first, then prefills -- any mix, prefills possibly split across steps) and scatters the new
 conv states back; the ssm state goes to the layer's rule kernel as the whole cache with the step's slots
-bound (``CachedStateRuleKernel``), which updates it in place where its kernel can and gathers otherwise. Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
+bound (``CachedStateRuleKernel``), which updates it in place where its kernel can and gathers otherwise.
+Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Variants:
   titan[...]  kernels.gdn_triton at each config: BV, warps, merged step (m) or FLA's order (s), prefetch (p)
   titan_prep  the default config with the l2norm and gates fused in (raw q/k/a/b), against
               rows.l2norm x2 + rows.gdn_gates + the kernel (titan_unfused), one layer's preparation included
+  fla_gather / titan_gather / titan_slots  (workloads with states) the call as the vLLM wrapper makes it, from an
+              engine's state cache: gather the slots, run, scatter back -- or (titan_slots) read and write the
+              slots in place
 
 Checks, each titan config on the GPU (a config whose bits break is reported and not a candidate):
   split_decode_equal   one 300-token call == a 100/150 split prefill + 50 one-token decode calls (o and state)
@@ -66,7 +69,32 @@ def make_inputs(lengths: list[int], H: int, HV: int, K: int, V: int, dev: torch.
         cu=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev),
         s0=(torch.randn(len(lengths), HV, K, V, device=dev, generator=gen) * 0.1) if state else None,
     )
+    if state:  # an engine's state cache: twice the sequences' slots, each sequence at a random one
+        n = len(lengths)
+        x["cache"] = torch.randn(2 * n, HV, K, V, device=dev, generator=gen) * 0.1
+        x["slots"] = torch.randperm(2 * n, device=dev, generator=gen)[:n]
     return x
+
+
+def engine_step(x: dict[str, Any], kernel: str) -> Any:
+    """One GDN core call as the vLLM wrapper makes it, state handling included: ``fla_gather`` / ``titan_gather``
+    gather the sequences' slots from the cache, run the kernel and scatter the new states back (the wrapper's
+    path with TITAN_GDN_RECURRENT=fla, today's default); ``titan_slots`` reads and writes the slots in place."""
+    from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
+
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    if kernel == "titan_slots":
+        return gated_delta_rule_recurrent(*args, x["cu"], x["scale"], x["cache"], state_slots=x["slots"])
+    h0 = x["cache"].index_select(0, x["slots"])
+    if kernel == "fla_gather":
+        o, s = gated_delta_rule(*args, x["cu"], x["scale"], h0, "recurrent", "fla")
+    else:
+        o, s = gated_delta_rule_recurrent(*args, x["cu"], x["scale"], h0)
+    x["cache"].index_copy_(0, x["slots"], s)
+    return o, s
+
+
+STATEFUL = ("fla_gather", "titan_gather", "titan_slots")  # timed where the workload carries states
 
 
 def configs(smoke: bool) -> list[Any]:
@@ -182,6 +210,9 @@ def main() -> int:
     if default in variants:
         variants["titan_unfused"] = lambda x: run_unfused(x, cfgs[0])
         variants["titan_prep"] = lambda x: run_titan(x, cfgs[0], fused_prep=True)
+    for n in STATEFUL:
+        if n.startswith("titan") or use_fla:
+            variants[n] = lambda x, n=n: engine_step(x, n)
     results["checks"] = checks
     save()
 
@@ -194,7 +225,7 @@ def main() -> int:
             o64 = o64.double()
             err = {}
             for name, fn in variants.items():
-                if name in ("titan_unfused", "titan_prep", "fla_chunk"):
+                if name in ("titan_unfused", "titan_prep", "fla_chunk", *STATEFUL):
                     continue
                 err[name] = (fn(train)[0].double() - o64).abs().max().item()
             results["max_err_vs_f64"] = err
@@ -207,9 +238,10 @@ def main() -> int:
     table: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         for w, x in inputs.items():
-            med: dict[str, list[float]] = {n: [] for n in variants}
+            timed = {n: fn for n, fn in variants.items() if x["s0"] is not None or n not in STATEFUL}
+            med: dict[str, list[float]] = {n: [] for n in timed}
             for _ in range(2):
-                for n, fn in variants.items():
+                for n, fn in timed.items():
                     med[n].append(statistics.median(timer.run(lambda: fn(x), args.warmup, args.reps, args.max_s)))
             table[w] = {n: two_rounds(m) for n, m in med.items()}
             results["timing_ms"] = table
@@ -219,8 +251,10 @@ def main() -> int:
     for n in variants:
         r: dict[str, Any] = {"variant": n}
         for w in inputs:
-            r[w] = table[w][n]["ms"]
-        r["us_per_token_train"] = 1e3 * table["train"][n]["ms"] / longest["train"]
+            if n in table[w]:
+                r[w] = table[w][n]["ms"]
+        if n in table["train"]:
+            r["us_per_token_train"] = 1e3 * table["train"][n]["ms"] / longest["train"]
         rows_out.append(r)
     cols = [("variant", "variant", "s")] + [(w, f"{w} ms", ".3f") for w in inputs] + [
         ("us_per_token_train", "us/token (train, longest seq)", ".3f")]
@@ -236,6 +270,11 @@ def main() -> int:
         if "fla_chunk" in variants:
             print("SUMMARY  fla_chunk / best (train): "
                   f"{table['train']['fla_chunk']['ms'] / table['train'][best]['ms']:.2f}")
+        if "titan_slots" in variants:
+            gather = "fla_gather" if "fla_gather" in variants else "titan_gather"
+            print(f"SUMMARY  state cache in place / {gather} (the wrapper today): " + "  ".join(
+                f"{w} {table[w][gather]['ms'] / table[w]['titan_slots']['ms']:.2f}x" for w in inputs
+                if "titan_slots" in table[w]))
         if "titan_prep" in variants:
             print("SUMMARY  fused prep / unfused: " + "  ".join(
                 f"{w} {table[w]['titan_prep']['ms'] / table[w]['titan_unfused']['ms']:.2f}" for w in inputs))

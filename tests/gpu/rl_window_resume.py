@@ -43,6 +43,14 @@ def _cmd(out: Path) -> list[str]:
             "--checkpoint.enable", "--checkpoint.interval", "1"]
 
 
+def _failed(out: Path, log_name: str, what: str) -> RuntimeError:
+    """The generator's own log sits in run/, deeper than the device returns: keep a copy beside the train log."""
+    server_log = out / "run" / "server.log"
+    if server_log.exists():
+        shutil.copy(server_log, out / f"{Path(log_name).stem}_server.log")
+    return RuntimeError(f"{out.name}: {what}:\n" + (out / log_name).read_text()[-4000:])
+
+
 def _run(out: Path, log_name: str, kill_after: int | None = None) -> float:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -51,14 +59,13 @@ def _run(out: Path, log_name: str, kill_after: int | None = None) -> float:
         if kill_after is None:
             rc = proc.wait(timeout=900)
             if rc != 0:
-                raise RuntimeError(f"{out.name}: the run failed ({rc}):\n" + (out / log_name).read_text()[-4000:])
+                raise _failed(out, log_name, f"the run failed ({rc})")
         else:
             marker = _dump(out) / "checkpoint" / f"step-{kill_after}" / ".metadata"  # DCP writes it last
             try:
                 while not marker.exists():
                     if proc.poll() is not None:
-                        raise RuntimeError(f"{out.name}: exited ({proc.returncode}) before its step-{kill_after} "
-                                           "checkpoint:\n" + (out / log_name).read_text()[-4000:])
+                        raise _failed(out, log_name, f"exited ({proc.returncode}) before its step-{kill_after} checkpoint")
                     time.sleep(0.05)  # polling the file system: there is nothing to wait on
             finally:
                 kill_tree(proc)

@@ -161,8 +161,11 @@ def test_version_route_reports_dirty() -> None:
     client = TestClient(app)
     assert client.get(VERSION_ROUTE).json()["dirty"] is None
     state.dirty = "push of v3 failed in a worker"
+    from titan_rl_ext.kernels.gdn import recurrent_kernel
+
     assert client.get(VERSION_ROUTE).json() == {"version": 0, "boot_id": state.boot_id, "push_port": None,
-                                                "dirty": "push of v3 failed in a worker"}
+                                                "dirty": "push of v3 failed in a worker",
+                                                "gdn_recurrent": recurrent_kernel()}
 
 
 def test_pushes_stage_one_payload_at_a_time() -> None:

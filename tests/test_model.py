@@ -79,3 +79,27 @@ def test_real_flavors_have_published_dimensions() -> None:
     assert 8.5e9 < n9 < 10e9, n9  # text part of Qwen3.5-9B
     assert 33e9 < n35 < 36e9, n35  # text part of Qwen3.5-35B-A3B
     assert [m9.layers[i].layer_type for i in range(4)] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_hf_init_checkpoint_has_no_singular_padding_row(tmp_path) -> None:
+    """make_tiny(noise=0) keeps HF's initialisation but redraws the zeroed padding row: a zero embedding row is
+    singular under the first RMSNorm (gradient ~ 1/sqrt(eps)), so one pad token in a batch multiplied the
+    gradient norm by ~440 here (and gave the GPU recipe's first RL step a norm of ~2e7)."""
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.hf import load_hf_model
+    from titan_rl_ext.rl.logprobs import token_logprobs
+    from titan_rl_ext.tools.make_tiny import make_tiny
+
+    model, _ = load_hf_model(make_tiny("qwen3_5", tmp_path, seed=0, layout="text", noise=0.0), dtype=torch.float32)
+    assert bool((model.tok_embeddings.weight.norm(dim=1) > 0).all())
+
+    def grad_norm(tokens_T: torch.Tensor) -> float:
+        model.zero_grad(set_to_none=True)
+        lp_T = token_logprobs(model, tokens_T, SeqBatch.from_lengths([tokens_T.numel()]))
+        (-lp_T[~lp_T.isnan()].mean()).backward()
+        return float(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm())
+
+    without_pad = grad_norm(torch.arange(1, 41))
+    with_pad = grad_norm(torch.cat([torch.arange(1, 20), torch.tensor([0]), torch.arange(20, 40)]))
+    # one token of 40 changed: the norms agree within 2x unless that token's row is singular (then ~440x)
+    assert with_pad < 2 * without_pad, (with_pad, without_pad)

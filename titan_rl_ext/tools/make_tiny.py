@@ -129,6 +129,20 @@ def randomize_(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
         p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype, device=device) * scale)
 
 
+@torch.no_grad()
+def redraw_padding_rows_(model: torch.nn.Module, seed: int) -> None:
+    """HF's initialisation zeroes an embedding's padding row. Packed batches never need it zero, and a zero row
+    is singular under the first RMSNorm (its gradient scales as 1/sqrt(eps)): one sampled pad token gave the
+    GPU recipe's first RL step a gradient norm of ~2e7 against 10-60 after (docs/benchmarks.md §9). Drawn as
+    the other rows are, N(0, initializer_range)."""
+    std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            row = torch.randn(module.embedding_dim, generator=g) * std
+            module.weight[module.padding_idx].copy_(row.to(module.weight))
+
+
 def make_tiny(arch: str, out: str | Path, seed: int = 0, layout: str = "vlm", tie: bool = False,
               dtype: torch.dtype = torch.float32, device: str = "cpu", noise: float = 0.1, **text_overrides: Any) -> Path:
     """``dtype``/``device``: build (and save) in bf16 on a GPU for the real-shape checkpoints, which take
@@ -141,6 +155,8 @@ def make_tiny(arch: str, out: str | Path, seed: int = 0, layout: str = "vlm", ti
         model = build_hf_model(arch, layout=layout, tie=tie, **text_overrides)
     if noise:
         randomize_(model, seed, noise)
+    else:
+        redraw_padding_rows_(model, seed)
     model.to(dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

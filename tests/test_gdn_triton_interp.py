@@ -32,7 +32,7 @@ def test_gdn_recurrent_kernel_under_interpreter() -> None:
 # ------------------------------------------------------------------------------------------------
 # the checks, run in the subprocess
 
-H, HV, K, V = 2, 4, 24, 20  # grouped value heads; K and V not powers of two (masked lanes); V over 3 blocks of 8
+H, HV, K, V = 2, 4, 24, 20  # grouped value heads; K and V not powers of two (masked lanes); BV 8: V over 3 blocks
 
 
 def _inputs(lens: list[int], dtype, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -59,7 +59,8 @@ def _check_values() -> None:
 
     cases = [(gt.CONFIG, dtype, with_state) for dtype in (torch.float32, torch.bfloat16) for with_state in (True, False)]
     cases += [(gt.RecurrentConfig(merged=False), torch.float32, True), (gt.RecurrentConfig(BV=4, prefetch=False),
-                                                                         torch.bfloat16, True)]
+                                                                         torch.bfloat16, True),
+              (gt.RecurrentConfig(BV=8), torch.float32, True)]  # several value blocks (the default's BV spans V)
     for cfg, dtype, with_state in cases:
         q, k, v, g, beta, s0, cu = _inputs([5, 0, 9, 1], dtype)
         state = s0 if with_state else None

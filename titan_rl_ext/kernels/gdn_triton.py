@@ -45,7 +45,10 @@ import triton.language as tl
 class RecurrentConfig:
     """Per-token layout of the kernel. Every process of a run must use the same one (bits depend on it)."""
 
-    BV: int = 8
+    # BV 32, one warp: the fastest on the train batch + 16x2048 prefill together, and among the fastest at
+    # decode B = 1/32/256, of 13 layouts timed on the H200 (benchmarks/results/gdn_recurrent.json: prefill
+    # 4.1 ms vs 7.6 at BV 8 and 10.1 for FLA's recurrent kernel; decode B = 256 0.27 vs 0.37 and 0.44 ms)
+    BV: int = 32
     num_warps: int = 1
     prefetch: bool = True
     merged: bool = True  # the rearranged step above; False: FLA's order (decay, k^T S, write, S^T q)

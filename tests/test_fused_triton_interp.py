@@ -322,6 +322,16 @@ def _check_head_grad() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         got = head_grad(lp, gt, tgt, dtype)
         _close(got, head_grad_reference(lp.clone(), gt, tgt, dtype))
+        # into rows of a larger buffer, as the backward writes the whole [T, V] gradient chunk by chunk
+        buf = torch.full((T + 3, V), float("nan"), dtype=dtype)
+        assert head_grad(lp, gt, tgt, dtype, out=buf[2:2 + T]).data_ptr() == buf[2].data_ptr()
+        assert torch.equal(buf[2:2 + T], got) and bool(buf[:2].isnan().all()) and bool(buf[2 + T:].isnan().all())
+    try:
+        head_grad(lp, gt, tgt, torch.bfloat16, out=torch.empty(T, V, dtype=torch.float32))
+    except ValueError as e:
+        assert "out must be" in str(e)
+    else:
+        raise AssertionError("an out of another dtype must be refused")
     try:
         head_grad(lp.double(), gt, tgt, torch.float32)
     except ValueError as e:

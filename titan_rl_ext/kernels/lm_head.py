@@ -66,22 +66,27 @@ def chunk_rows(V: int) -> int:
     return max(1, CHUNK_BYTES // (4 * max(V, 1)))
 
 
-def head_grad_reference(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``g * (onehot(tgt) - exp(lp))`` in ``out_dtype``, reusing ``lp``'s memory (it is consumed)."""
+def head_grad_reference(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``g * (onehot(tgt) - exp(lp))`` in ``out_dtype``, reusing ``lp``'s memory (it is consumed); into ``out``
+    when given."""
     grad = lp_TV.exp_()
     grad.mul_(-g_T[:, None])
     grad.scatter_add_(1, tgt_T[:, None], g_T[:, None])
+    if out is not None:
+        return out.copy_(grad)
     return grad if out_dtype == grad.dtype else grad.to(out_dtype)
 
 
-def _head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     from titan_rl_ext.kernels.rows import fused_available
 
     if fused_available(lp_TV):  # CUDA, triton, TITAN_FUSED_KERNELS not "0": the layers' fused-kernel switch
         from titan_rl_ext.kernels.lm_head_triton import head_grad
 
-        return head_grad(lp_TV, g_T, tgt_T, out_dtype)
-    return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype)
+        return head_grad(lp_TV, g_T, tgt_T, out_dtype, out=out)
+    return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype, out=out)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -110,7 +115,13 @@ class _TokenLogprobs(torch.autograd.Function):
         low = _low_precision_cuda(h, w)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = torch.empty_like(h) if need_h else None
-        dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        grad_dtype = h.dtype if low else torch.float32
+        # The whole [T, V] gradient within the head's budget: the chunks write into one buffer and the weight
+        # gradient is one GEMM over all T rows. Otherwise one GEMM per chunk, summed into an fp32 [V, D] --
+        # at the 9B slice's T = 8192 that was a zero fill and two 4 GB fp32 adds (~6.5 ms of the step).
+        whole = need_w and T * V * torch.finfo(grad_dtype).bits // 8 <= SAVE_BYTES
+        grad_TV = torch.empty(T, V, dtype=grad_dtype, device=h.device) if whole else None
+        dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w and not whole else None
         g_T = g_T.float()
         step = chunk_rows(V)
         for i, r0 in enumerate(range(0, T, step)):
@@ -122,19 +133,16 @@ class _TokenLogprobs(torch.autograd.Function):
                 logits = _mm_fp32_out(h_c, w.t()) if low else F.linear(h_c.float(), w.float())
                 lp = logits.log_softmax(dim=-1)
                 del logits
-            grad = _head_grad(lp, g_c, tgt[r0:r1], h.dtype if low else torch.float32)
+            grad = _head_grad(lp, g_c, tgt[r0:r1], grad_dtype, out=grad_TV[r0:r1] if whole else None)
             del lp
-            if low:
-                if need_h:
-                    dh[r0:r1] = grad @ w
-                if need_w:
-                    dw32 += _mm_fp32_out(grad.t(), h_c)
-            else:
-                if need_h:
-                    dh[r0:r1] = (grad @ w.float()).to(h.dtype)
-                if need_w:
-                    dw32 += grad.t() @ h_c.float()
+            if need_h:
+                dh[r0:r1] = grad @ w if low else (grad @ w.float()).to(h.dtype)
+            if dw32 is not None:
+                dw32 += _mm_fp32_out(grad.t(), h_c) if low else grad.t() @ h_c.float()
             del grad
+        if whole:
+            dw32 = _mm_fp32_out(grad_TV.t(), h) if low else grad_TV.t() @ h.float()
+            del grad_TV
         return dh, (dw32.to(w.dtype) if need_w else None), None, None
 
 

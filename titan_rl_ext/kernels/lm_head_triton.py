@@ -34,14 +34,20 @@ def _head_grad_kernel(lp_ptr, g_ptr, tgt_ptr, out_ptr, V, s_lp, s_out, BLOCK: tl
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``[T, V]`` in ``out_dtype``: ``g * (onehot(tgt) - exp(lp))`` row by row (``lp`` fp32, unit stride in V)."""
+def head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, V]`` in ``out_dtype``: ``g * (onehot(tgt) - exp(lp))`` row by row (``lp`` fp32, unit stride in V);
+    written into ``out`` when given (``[T, V]`` of ``out_dtype``, unit stride in V: a row slice of a buffer)."""
     T, V = lp_TV.shape
     if lp_TV.dtype != torch.float32 or lp_TV.stride(1) != 1:
         raise ValueError(f"lp must be fp32 with unit stride along V, got {lp_TV.dtype}, strides {lp_TV.stride()}")
     if g_T.shape != (T,) or tgt_T.shape != (T,):
         raise ValueError(f"g and targets must be [T={T}], got {tuple(g_T.shape)} and {tuple(tgt_T.shape)}")
-    out = torch.empty(T, V, dtype=out_dtype, device=lp_TV.device)
+    if out is None:
+        out = torch.empty(T, V, dtype=out_dtype, device=lp_TV.device)
+    elif out.shape != (T, V) or out.dtype != out_dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{T}, {V}] {out_dtype} with unit stride along V, got {tuple(out.shape)} "
+                         f"{out.dtype}, strides {out.stride()}")
     if T:
         _head_grad_kernel[(T, triton.cdiv(V, BLOCK_V))](lp_TV, g_T.float().contiguous(), tgt_T.contiguous(), out, V,
                                                          lp_TV.stride(0), out.stride(0), BLOCK=BLOCK_V,

@@ -6,6 +6,9 @@
 #   bash tests/gpu/run_rl_e2e.sh smoke      # install, then the same recipe on the tiny model, BI on, 6 steps (~2 min):
 #                                           # the whole GPU path (FSDP bf16, CUDA IPC push, swap, BI) before the big runs
 #   bash tests/gpu/run_rl_e2e.sh setup      # install, build the 0.85 B checkpoint and its warm-up (cached in /tmp/rlcache)
+#   bash tests/gpu/run_rl_e2e.sh ckpt_bg    # the same build started in the background and returned from at once: run
+#                                           # it in the staging command (only .whl/fla_core-*.whl needed there, no vLLM),
+#                                           # so the 281 s build overlaps the next command's install; an arm waits for it
 #   bash tests/gpu/run_rl_e2e.sh titan_bi   # one arm: 40 steps (RL_STEPS), metrics.jsonl + plots in $OUT/<arm>
 #   bash tests/gpu/run_rl_e2e.sh titan
 #   bash tests/gpu/run_rl_e2e.sh native
@@ -38,7 +41,7 @@ save_triton_cache() {
     [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }
 }
 trap save_triton_cache EXIT
-what=${1:?stage: smoke | setup | titan_bi | titan | native | report | resume}
+what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume}
 
 install() {
     [ -f /tmp/titan-site/.installed ] && return 0
@@ -51,6 +54,18 @@ checkpoint() {
         || { tail -20 "$out/setup.log"; return 1; }
     tail -3 "$out/setup.log"
 }
+if [ "${1:-}" = ckpt_bg ]; then  # before install(): the trainer's wheels and vLLM need not be here yet
+    [ -f /tmp/rlcache/.ready ] && { echo "checkpoint already built"; exit 0; }
+    python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/ckpt-site . .whl/fla_core-*.whl \
+        2>&1 | grep -v "WARNING: Target directory"
+    mkdir -p /tmp/rlcache && touch /tmp/rlcache/.building
+    # setsid: a process in its own session outlives this command while the machine stays up
+    PYTHONPATH=/tmp/ckpt-site setsid nohup bash -c 'cd /tmp && python3 -c "from titan_rl_ext.configs.rl import \
+gpu_rl_checkpoint; print(gpu_rl_checkpoint())" > /tmp/rlcache/build.log 2>&1 && touch /tmp/rlcache/.ready; \
+rm -f /tmp/rlcache/.building' > /dev/null 2>&1 < /dev/null &
+    trap - EXIT
+    echo "checkpoint build started in the background (log: /tmp/rlcache/build.log)"; exit 0
+fi
 install || { echo "install failed"; exit 1; }
 
 case $what in
@@ -62,7 +77,13 @@ setup)
 smoke|titan_bi|titan|native)
     config=rl_gpu_hybrid steps=${RL_STEPS:-40}
     if [ $what = smoke ]; then config=rl_gpu_hybrid_toy steps=${RL_STEPS:-6}
-    else [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1; fi
+    else
+        t=$(date +%s)
+        while [ -f /tmp/rlcache/.building ] && [ ! -f /tmp/rlcache/.ready ]; do sleep 2; done  # a ckpt_bg build
+        [ $(( $(date +%s) - t )) -gt 2 ] && { echo "waited $(( $(date +%s) - t )) s for the background checkpoint build"; tail -2 /tmp/rlcache/build.log; }
+        [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1
+        [ -n "${ARM_BUDGET:-}" ] && export ARM_TIMEOUT=$(( ARM_BUDGET - ($(date +%s) - t) ))
+    fi
     case $what in
         titan_bi|smoke) arm=(--rl.batch-invariant-steps 1000000) ;;
         titan) arm=() ;;

@@ -94,12 +94,46 @@ def _check_gemm_grad() -> None:
     x = torch.randn(20, 48, generator=g, requires_grad=True)
     w = torch.randn(30, 48, generator=g, requires_grad=True)
     gy = torch.randn(20, 30, generator=g)
-    tri.bi_mm(x, w.t()).backward(gy)
+    y = tri.bi_mm(x, w.t())
+    with _CopyLog() as copies:
+        y.backward(gy)
+    # the weight's gradient comes out of the GEMM in the weight's layout: no transposing copy into .grad
+    assert w.grad.is_contiguous() and not [c for c in copies.shapes if c == tuple(w.shape)], copies.shapes
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
     (x @ w.t()).backward(gy)
+    # fp32 products of randn over K = 48: both sides sum in fp32 in different orders (~K ulps of |x||w|)
     torch.testing.assert_close(gx, x.grad, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(gw, w.grad, atol=1e-4, rtol=1e-5)
+    # a row-major b (not a transposed weight) keeps its row-major gradient
+    b = torch.randn(48, 30, generator=g, requires_grad=True)
+    tri.bi_mm(x.detach(), b).backward(gy)
+    assert b.grad.is_contiguous()
+    torch.testing.assert_close(b.grad, x.detach().t() @ gy, atol=1e-4, rtol=1e-5)
+
+
+class _CopyLog:
+    """The shapes of every copy/clone dispatched inside the block."""
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        shapes = self.shapes = []
+        copy_ops = {torch.ops.aten.copy_.default, torch.ops.aten.clone.default}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if func in copy_ops:
+                    shapes.append(tuple(args[0].shape))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        return self._mode.__exit__(*exc)
 
 
 def _check_rows() -> None:

@@ -290,8 +290,19 @@ class _BIMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ga = torch.mm(g, b.t().to(g.dtype)).to(a.dtype)
         if ctx.needs_input_grad[1]:
-            gb = torch.mm(a.to(g.dtype).t(), g).to(b.dtype)
+            gb = _grad_in_layout_of(b, a.to(g.dtype), g).to(b.dtype)  # .to keeps the strides
         return ga, gb
+
+
+def _grad_in_layout_of(b_KN: torch.Tensor, a_MK: torch.Tensor, g_MN: torch.Tensor) -> torch.Tensor:
+    """``a.t() @ g``, the gradient of ``b``, laid out like ``b``. The linear layers pass ``weight.t()``
+    (column-major): a row-major gradient would reach the weight as a transposed view, and autograd stores a
+    ``.grad`` in its parameter's layout, so it would copy it -- a transposing copy of every weight per step
+    (3.5 GB of traffic, ~6 ms, on the 4-layer 9B slice). ``(g.t() @ a).t()`` is the same product, written
+    in the weight's own layout by the GEMM itself."""
+    if b_KN.stride(0) == 1 and b_KN.stride(1) != 1:
+        return torch.mm(g_MN.t(), a_MK).t()
+    return torch.mm(a_MK.t(), g_MN)
 
 
 def bi_mm(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:

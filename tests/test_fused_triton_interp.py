@@ -288,6 +288,12 @@ def _check_conv_backward() -> None:
             else:
                 err = (dx.double() - dx64).abs()
                 assert (err <= 2 * 2.0**-8 * dx64.abs() + 1e-6).all(), err.max().item()
+            # the two-pass variant gives the fused kernel's bits; a smaller dw tile changes only dw's partials
+            dx2, dw2 = causal_conv1d_backward_triton(x, w, cu, dy, act, variant="two_pass")
+            assert torch.equal(dx2, dx) and torch.equal(dw2, dw)
+            dx3, dw3 = causal_conv1d_backward_triton(x, w, cu, dy, act, variant="two_pass", block_t=16, block_c=64)
+            assert torch.equal(dx3, dx)
+            torch.testing.assert_close(dw3.double(), dw64, rtol=rtol, atol=1e-5 * dw64.abs().max().item())
     # the autograd function: forward = the kernel, backward = the backward kernel; with a gradient on the
     # final states, the reference's gradient
     x = torch.randn(T, C, generator=g).requires_grad_(True)

@@ -97,6 +97,44 @@ def _conv_state_kernel(
         tl.store(out_ptr + (seq.to(tl.int64) * (W - 1) + s) * C + offs_c, v.to(out_ptr.dtype.element_ty), mask=mask_c)
 
 
+@triton.jit
+def _row_tile(cu_ptr, T, C, N, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """This program's ``BLOCK_T x BLOCK_C`` tile: row and column offsets, their masks, each row's sequence."""
+    offs_r = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_r = offs_r < T
+    return offs_r, offs_c, mask_r, offs_c < C, _seq_of(cu_ptr, offs_r, N, SEARCH_STEPS)
+
+
+@triton.jit
+def _dz_of(x_ptr, w_ptr, dy_ptr, t, t_ok, start, offs_c, mask_c, stride_x, C,
+           W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr):
+    """``dz[t] = dy[t] * silu'(z[t])`` in fp32 for a tile of outputs ``t`` (``z`` recomputed from its W taps in
+    ascending order, as the forward does; taps before ``start``, the sequence's first row, are zero)."""
+    z = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for i in tl.static_range(W):
+        p = t - (W - 1) + i
+        xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + offs_c[None, :],
+                     mask=(t_ok & (p >= start))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        z += xv * tl.load(w_ptr + offs_c * W + i, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    dz = tl.load(dy_ptr + t.to(tl.int64)[:, None] * C + offs_c[None, :],
+                 mask=t_ok[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    if SILU:
+        sig = tl.sigmoid(z)
+        dz = dz * (sig + z * sig * (1.0 - sig))
+    return dz
+
+
+@triton.jit
+def _store_dw_part(x_ptr, dw_part_ptr, dz, t, t_ok, start, offs_c, mask_c, stride_x, C, pid_t, W: tl.constexpr):
+    """The tile's share of dw: ``dw_part[tile, j] = sum_t dz[t] * x[t - W + 1 + j]`` (fp32, summed over the tile)."""
+    for j in tl.static_range(W):
+        p = t - (W - 1) + j
+        xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + offs_c[None, :],
+                     mask=(t_ok & (p >= start))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        tl.store(dw_part_ptr + (pid_t * W + j).to(tl.int64) * C + offs_c, tl.sum(dz * xv, axis=0), mask=mask_c)
+
+
 @triton.jit(do_not_specialize=["T", "N"])
 def _conv_bwd_kernel(
     x_ptr, w_ptr, cu_ptr, dy_ptr, dx_ptr, dw_part_ptr,
@@ -113,46 +151,72 @@ def _conv_bwd_kernel(
     overlap (cache hits) instead of an fp32 [T, C] round trip. dx accumulates in fp32 and is rounded once;
     the dw partials are summed over tiles in a fixed order by the caller."""
     pid_t = tl.program_id(0)
-    offs_r = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_r = offs_r < T
-    mask_c = offs_c < C
-    n = _seq_of(cu_ptr, offs_r, N, SEARCH_STEPS)
+    offs_r, offs_c, mask_r, mask_c, n = _row_tile(cu_ptr, T, C, N, BLOCK_T, BLOCK_C, SEARCH_STEPS)
     start = tl.load(cu_ptr + n, mask=mask_r, other=0)
     end = tl.load(cu_ptr + n + 1, mask=mask_r, other=0)
     dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for k in tl.static_range(W):
         t = offs_r + k  # an output of r's sequence that reads x[r] through tap W - 1 - k
         t_ok = mask_r & (t < end)
-        z = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for i in tl.static_range(W):
-            p = t - (W - 1) + i
-            xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + offs_c[None, :],
-                         mask=(t_ok & (p >= start))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-            z += xv * tl.load(w_ptr + offs_c * W + i, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-        dz = tl.load(dy_ptr + t.to(tl.int64)[:, None] * C + offs_c[None, :],
-                     mask=t_ok[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        if SILU:
-            sig = tl.sigmoid(z)
-            dz = dz * (sig + z * sig * (1.0 - sig))
+        dz = _dz_of(x_ptr, w_ptr, dy_ptr, t, t_ok, start, offs_c, mask_c, stride_x, C, W, BLOCK_T, BLOCK_C, SILU)
         dx += dz * tl.load(w_ptr + offs_c * W + (W - 1 - k), mask=mask_c, other=0.0).to(tl.float32)[None, :]
         if k == 0:  # t = r: this tile's own outputs give its share of dw
-            for j in tl.static_range(W):
-                p = offs_r - (W - 1) + j
-                xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + offs_c[None, :],
-                             mask=(t_ok & (p >= start))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-                tl.store(dw_part_ptr + (pid_t * W + j).to(tl.int64) * C + offs_c, tl.sum(dz * xv, axis=0), mask=mask_c)
+            _store_dw_part(x_ptr, dw_part_ptr, dz, t, t_ok, start, offs_c, mask_c, stride_x, C, pid_t, W)
     tl.store(dx_ptr + offs_r.to(tl.int64)[:, None] * C + offs_c[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=mask_r[:, None] & mask_c[None, :])
 
 
+@triton.jit(do_not_specialize=["T", "N"])
+def _conv_bwd_dz_kernel(
+    x_ptr, w_ptr, cu_ptr, dy_ptr, dz_ptr, dw_part_ptr,
+    T, C, N, stride_x,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH_STEPS: tl.constexpr, SILU: tl.constexpr,
+):
+    """Pass 1 of the two-pass backward: ``dz[t]`` of the tile's own rows (fp32, to ``dz_ptr``) and the tile's
+    dw partials, from one load of each tap. The arithmetic is ``_conv_bwd_kernel``'s at ``k = 0``: same bits."""
+    pid_t = tl.program_id(0)
+    offs_t, offs_c, mask_t, mask_c, n = _row_tile(cu_ptr, T, C, N, BLOCK_T, BLOCK_C, SEARCH_STEPS)
+    start = tl.load(cu_ptr + n, mask=mask_t, other=0)
+    dz = _dz_of(x_ptr, w_ptr, dy_ptr, offs_t, mask_t, start, offs_c, mask_c, stride_x, C, W, BLOCK_T, BLOCK_C, SILU)
+    tl.store(dz_ptr + offs_t.to(tl.int64)[:, None] * C + offs_c[None, :], dz, mask=mask_t[:, None] & mask_c[None, :])
+    _store_dw_part(x_ptr, dw_part_ptr, dz, offs_t, mask_t, start, offs_c, mask_c, stride_x, C, pid_t, W)
+
+
+@triton.jit(do_not_specialize=["T", "N"])
+def _conv_bwd_dx_kernel(
+    w_ptr, cu_ptr, dz_ptr, dx_ptr, T, C, N,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+):
+    """Pass 2: ``dx[r] = sum_k dz[r + k] * w[:, W - 1 - k]`` over outputs of r's own sequence, k ascending in
+    fp32, rounded once (``_conv_bwd_kernel``'s sum, from the stored dz instead of recomputed ones)."""
+    offs_r, offs_c, mask_r, mask_c, n = _row_tile(cu_ptr, T, C, N, BLOCK_T, BLOCK_C, SEARCH_STEPS)
+    end = tl.load(cu_ptr + n + 1, mask=mask_r, other=0)
+    dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for k in tl.static_range(W):
+        t = offs_r + k
+        dz = tl.load(dz_ptr + t.to(tl.int64)[:, None] * C + offs_c[None, :],
+                     mask=(mask_r & (t < end))[:, None] & mask_c[None, :], other=0.0)
+        dx += dz * tl.load(w_ptr + offs_c * W + (W - 1 - k), mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    tl.store(dx_ptr + offs_r.to(tl.int64)[:, None] * C + offs_c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=mask_r[:, None] & mask_c[None, :])
+
+
+BWD_VARIANTS = ("fused", "two_pass")
+
+
 def causal_conv1d_backward_triton(
     x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor, dy_TC: torch.Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", *, variant: str = "fused", block_t: int = 32, block_c: int = 128,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [T, C] in x's dtype, dw [C, W] in the weight's dtype)`` of ``causal_conv1d_triton`` without initial
     state or bias, given the output's gradient ``dy``. dx sums its W contributions in fp32 and rounds once; dw
-    sums each tile's fp32 partial, then the tiles in order (no atomics: the same bits every run)."""
+    sums each tile's fp32 partial, then the tiles in order (no atomics: the same bits every run).
+
+    ``variant``: ``fused`` (one launch; each tile recomputes the W outputs its rows feed, W^2 tap loads) or
+    ``two_pass`` (dz of every row stored in fp32, then dx from it: W + 1 tap loads and a [T, C] fp32 round
+    trip). Both give the same bits; ``block_t`` sets the dw partials' tiles, so dw's bits depend on it (dx's do
+    not). ``benchmarks/conv_kernels.py`` times them."""
     if activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {activation!r}")
     T, C = x_TC.shape
@@ -165,17 +229,21 @@ def causal_conv1d_backward_triton(
     w = weight_CW.contiguous()
     dy = dy_TC.contiguous()
     cu = cu_seqlens.to(device=x_TC.device, dtype=torch.int32).contiguous()
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"unknown conv backward variant {variant!r}; one of {BWD_VARIANTS}")
     dx = torch.empty(T, C, dtype=x_TC.dtype, device=x_TC.device)
-    BLOCK_C = 128
-    BLOCK_T = 32 if T >= 32 else triton.next_power_of_2(max(T, 1))
+    BLOCK_C = block_c
+    BLOCK_T = block_t if T >= block_t else triton.next_power_of_2(max(T, 1))
     n_t = triton.cdiv(T, BLOCK_T)
     dw_part = torch.empty(n_t, W, C, dtype=torch.float32, device=x_TC.device)
-    if T > 0:
-        _conv_bwd_kernel[(n_t, triton.cdiv(C, BLOCK_C))](
-            x_TC, w, cu, dy, dx, dw_part, T, C, N, x_TC.stride(0),
-            W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, SEARCH_STEPS=max(1, N.bit_length()), SILU=activation == "silu",
-            num_warps=4,
-        )
+    grid = (n_t, triton.cdiv(C, BLOCK_C))
+    meta = dict(W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, SEARCH_STEPS=max(1, N.bit_length()), num_warps=num_warps)
+    if T > 0 and variant == "fused":
+        _conv_bwd_kernel[grid](x_TC, w, cu, dy, dx, dw_part, T, C, N, x_TC.stride(0), SILU=activation == "silu", **meta)
+    elif T > 0:
+        dz = torch.empty(T, C, dtype=torch.float32, device=x_TC.device)
+        _conv_bwd_dz_kernel[grid](x_TC, w, cu, dy, dz, dw_part, T, C, N, x_TC.stride(0), SILU=activation == "silu", **meta)
+        _conv_bwd_dx_kernel[grid](w, cu, dz, dx, T, C, N, **meta)
     return dx, dw_part.sum(0).t().to(weight_CW.dtype)
 
 

@@ -140,10 +140,16 @@ class _TokenLogprobs(torch.autograd.Function):
             if dw32 is not None:
                 dw32 += _mm_fp32_out(grad.t(), h_c) if low else grad.t() @ h_c.float()
             del grad
+        dw = None
         if whole:
-            dw32 = _mm_fp32_out(grad_TV.t(), h) if low else grad_TV.t() @ h.float()
+            # One GEMM over all T rows, 16-bit output like every other weight gradient of the model (cuBLAS
+            # accumulates in fp32 and rounds in its epilogue): no fp32 [V, D] result (4 GB at the 9B head)
+            # written and read back for a cast. tests/gpu/test_bi_kernels_cuda.py bounds its error vs float64.
+            dw = torch.mm(grad_TV.t(), h) if low else (grad_TV.t() @ h.float()).to(w.dtype)
             del grad_TV
-        return dh, (dw32.to(w.dtype) if need_w else None), None, None
+        elif need_w:
+            dw = dw32.to(w.dtype)
+        return dh, dw, None, None
 
 
 def token_logprobs_fused(h_TD: torch.Tensor, w_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:

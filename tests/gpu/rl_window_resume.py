@@ -5,13 +5,17 @@ path (FSDP2 bf16 compute, a spawned vLLM generator on the same GPU, CUDA IPC pus
 
 Run A: ``rl_gpu_hybrid_toy``, 5 synchronous steps (``--rl.offpolicy 0``), a checkpoint every step, batch
 invariance on both sides for steps 1-3 only (``--rl.batch-invariant-from 1 --rl.batch-invariant-steps 3``).
-Run B: the same command, SIGKILLed (torchrun, the trainer and its generator) once its step-2 checkpoint is
-complete, then started again: it resumes at step 3 against a freshly spawned generator.
+Run B: the same command, SIGKILLed (torchrun, the trainer and its generator) once its step-1 checkpoint is
+complete, then started again: it resumes at step 2 against a freshly spawned generator.
 
 Checked: A's gap is exactly 0 at steps 1-3 (fresh at 1, stale or fresh after) and nonzero at 4-5 (the window
-closed); B's step 3 after the resume equals A's step 3 -- loss, gradient norm, rewards, the completions and
+closed); B's steps 2 and 3 after the resume equal A's -- loss, gradient norm, rewards, the completions and
 every other non-timing metric -- bit for bit (steps 1-3 run BI and per-request seeds fix the sampling, so the
-two runs are the same computation). Writes OUT_DIR/window_resume.json and exits 1 when a check fails.
+two runs are the same computation). Step 3 is sampled from the weights of the resumed step 2's update, so it
+checks the restored optimizer state too. A resumed step whose gradient is 0 (every group's reward equal: no
+advantage) proves nothing about the update: the check fails unless some compared step has a gradient. On the
+H200 (2026-12-05) step 3 of this recipe had reward 0 in every group and gradient 0, step 2 a gradient of
+7.7, hence the kill after step 1. Writes OUT_DIR/window_resume.json and exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEPS, BI_STEPS, KILL_AFTER = 5, 3, 2
+STEPS, BI_STEPS, KILL_AFTER = 5, 3, 1
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers the CPU resume test uses
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the commit stamp every result carries
+from bench_common import git_state  # noqa: E402
 from rl_runs import drop_timing, kill_tree, records  # noqa: E402
 
 
@@ -86,28 +92,31 @@ def main(out: Path) -> int:
     def compared(r: dict[str, Any]) -> int:
         return int(r.get("bit_wise/num_tokens", 0) or 0) + int(r.get("bit_wise_stale/num_tokens", 0) or 0)
 
-    b3 = next(r for r in rec_b if r["step"] == BI_STEPS)
-    a3 = next(r for r in rec_a if r["step"] == BI_STEPS)
+    resumed = range(KILL_AFTER + 1, BI_STEPS + 1)  # the BI steps B ran after its resume
+    # keyed by step, the last record of each: a step the killed run finished before its kill landed is run again
+    by_step_a, by_step_b = ({r["step"]: r for r in recs} for recs in (rec_a, rec_b))
+    rolls_a, rolls_b = ({r["step"]: r for r in rolls} for rolls in (roll_a, roll_b))
     checks = {
         "a_steps": [r["step"] for r in rec_a] == list(range(1, STEPS + 1)),
         "a_bi_flags": [r["batch_invariant"] for r in rec_a] == [1] * BI_STEPS + [0] * (STEPS - BI_STEPS),
         # inside the window every compared token is bit-equal; outside it the kernels differ and so do the logprobs
         "a_gap_zero_in_window": all(compared(r) > 0 and r["bit_wise_all/logprob_diff/max"] == 0.0 for r in rec_a[:BI_STEPS]),
         "a_gap_nonzero_after": all(r["bit_wise_all/logprob_diff/max"] > 0.0 for r in rec_a[BI_STEPS:]),
-        "b_resumed_at_3": f"Training starts at step {KILL_AFTER + 1}" in resumed_log,
-        "b_steps": [r["step"] for r in rec_b][:BI_STEPS] == list(range(1, BI_STEPS + 1)),
-        "step3_loss_equal": b3["loss"] == a3["loss"],
-        "step3_metrics_equal": drop_timing(b3) == drop_timing(a3),
-        "step3_rollouts_equal": roll_b[BI_STEPS - 1] == roll_a[BI_STEPS - 1],
-        "steps_1_2_equal": [drop_timing(r) for r in rec_b[:KILL_AFTER]] == [drop_timing(r) for r in rec_a[:KILL_AFTER]],
-        "nonzero_gradients": all(r["grad_norm"] > 0 for r in rec_a[:BI_STEPS]),
+        "b_resumed": f"Training starts at step {KILL_AFTER + 1}" in resumed_log,
+        "b_steps": sorted(by_step_b)[:BI_STEPS] == list(range(1, BI_STEPS + 1)),
+        "resumed_loss_equal": all(s in by_step_b and by_step_b[s]["loss"] == by_step_a[s]["loss"] for s in resumed),
+        "resumed_metrics_equal": all(s in by_step_b and drop_timing(by_step_b[s]) == drop_timing(by_step_a[s]) for s in resumed),
+        "resumed_rollouts_equal": all(s in rolls_b and rolls_b[s] == rolls_a[s] for s in resumed),
+        "steps_before_kill_equal": all(s in by_step_b and drop_timing(by_step_b[s]) == drop_timing(by_step_a[s]) for s in range(1, KILL_AFTER + 1)),
+        "resumed_step_with_gradient": any(by_step_a[s]["grad_norm"] > 0 for s in resumed),
     }
     summary = {
-        "checks": checks, "seconds": secs,
+        "env": git_state(), "checks": checks, "seconds": secs,
         "a": [{k: r.get(k) for k in ("step", "batch_invariant", "loss", "grad_norm", "reward/mean",
                                      "bit_wise_all/logprob_diff/max", "bit_wise/num_tokens", "bit_wise_stale/num_tokens")}
               for r in rec_a],
-        "b_step3": {k: b3.get(k) for k in ("loss", "grad_norm", "reward/mean")},
+        "b_resumed_steps": [{k: by_step_b.get(s, {}).get(k) for k in ("step", "loss", "grad_norm", "reward/mean")}
+                            for s in resumed],
         "gap_max_per_step_a": [gap(r) for r in rec_a],
     }
     (out / "window_resume.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -104,6 +104,8 @@ resume)
     t=$(date +%s)
     python3 tests/gpu/rl_window_resume.py "$out" > "$out/resume.log" 2>&1; rc=$?
     echo "resume rc=$rc in $(( $(date +%s) - t )) s"; tail -25 "$out/resume.log"
+    # the device returns a handful of files: both runs' logs, metrics and rollouts travel as one archive
+    tar -czf "$out/resume_runs.tar.gz" -C "$out" resume_a resume_b && rm -rf "$out/resume_a" "$out/resume_b"
     exit $rc
     ;;
 report)

@@ -278,6 +278,18 @@ def build_slice(dev: torch.device, smoke: bool, vocab: int | None, seed: int = 0
 
 
 FILLER_LEN = 127  # the extra sequence in front of packing B
+SMOKE_LENGTHS = [24, 60, 40, 28]
+
+
+def add_slice_args(ap: argparse.ArgumentParser, lengths_help: str = "packed sequence lengths") -> None:
+    """``--vocab`` and ``--lengths`` of the benchmarks that build ``build_slice``'s model."""
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the real 248320)")
+    ap.add_argument("--lengths", default="1000,3000,2500,1692", help=lengths_help)
+
+
+def packed_lengths(args: argparse.Namespace) -> list[int]:
+    """The sequence lengths ``--lengths`` asks for (``--smoke``: a few short ones)."""
+    return list(SMOKE_LENGTHS) if args.smoke else [int(n) for n in args.lengths.split(",")]
 
 
 def two_packings(lengths: list[int], vocab: int, dev: torch.device, seed: int = 1

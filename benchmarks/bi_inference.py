@@ -37,6 +37,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it also puts the repo root on sys.path)
 from bench_common import Timer, base_parser, build_slice, env_summary, environment, fmt_table  # noqa: E402
 from bench_common import env_set, json_saver, print_header, resolve_device, two_packings, two_rounds  # noqa: E402
+from bench_common import add_slice_args, packed_lengths  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
@@ -98,8 +99,7 @@ def weight_bytes(model: Decoder) -> tuple[int, int]:
 
 def main() -> int:
     ap = base_parser(__doc__, "toy width, 152-token prefill, B in 1,4,8: CPU check")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the real 248320)")
-    ap.add_argument("--lengths", default="1000,3000,2500,1692", help="prefill: packed sequence lengths")
+    add_slice_args(ap, "prefill: packed sequence lengths")
     ap.add_argument("--batches", default="1,32,256", help="decode batch sizes")
     ap.add_argument("--decode-ctx", type=int, default=512, help="context tokens already in each decode state")
     ap.add_argument("--prefill-reps", type=int, default=3)
@@ -111,11 +111,11 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     dev = resolve_device(ap, args)
+    lengths = packed_lengths(args)
     if args.smoke:
-        lengths, batches, ctx = [24, 60, 40, 28], [1, 4, 8], 40
+        batches, ctx = [1, 4, 8], 40
         args.prefill_reps, args.decode_reps, args.max_s = 1, 2, 3.0
     else:
-        lengths = [int(n) for n in args.lengths.split(",")]
         batches, ctx = [int(b) for b in args.batches.split(",")], args.decode_ctx
     T = sum(lengths)
     uses_fla = dev.type == "cuda" and fla_available()

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it als
 from bench_common import FILLER_LEN, Timer, base_parser, build_slice, env_summary, environment  # noqa: E402
 from bench_common import fla_chunk_bwd_guard, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
 from bench_common import env_set, print_profile, profile_step, sync, two_packings, two_rounds  # noqa: E402
+from bench_common import add_slice_args, packed_lengths  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
@@ -79,8 +80,7 @@ def step_flops(model: Decoder, cfg: Qwen3_5Config, lengths: list[int]) -> dict[s
 
 def main() -> int:
     ap = base_parser(__doc__, "toy-width slice, 256 tokens: CPU check")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the real 248320)")
-    ap.add_argument("--lengths", default="1000,3000,2500,1692", help="packed sequence lengths")
+    add_slice_args(ap)
     ap.add_argument("--reps", type=int, default=3, help="timed steps per round (2 rounds per mode)")
     ap.add_argument("--max-s", type=float, default=25.0, help="cap on one timing run (s)")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip breakdown/profile once past this (s)")
@@ -91,7 +91,7 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     dev = resolve_device(ap, args)
-    lengths = [24, 60, 40, 28] if args.smoke else [int(n) for n in args.lengths.split(",")]
+    lengths = packed_lengths(args)
     if args.smoke:
         args.reps, args.max_s = 1, 5.0
     T = sum(lengths)

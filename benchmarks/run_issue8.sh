@@ -3,7 +3,7 @@
 # (estimated 6-7 min on an H100 with a cold Triton cache; the per-script timeouts below cap it at 550 s; pass timeout_s=600).
 #
 #   device run:  bash benchmarks/run_issue8.sh            carry: [".whl"]  (fla-core wheel, if fla is not installed there)
-#   stages:      bash benchmarks/run_issue8.sh gemm gdn   (any of: gemm gdn rec conv step inf; default gemm gdn step inf)
+#   stages:      bash benchmarks/run_issue8.sh gemm gdn   (any of: gemm gdn rec conv gemms step inf; default gemm gdn step inf)
 #
 # Writes $OUT/<name>.log and $OUT/<name>.json for each stage (8 files: the most a device call returns) and
 # prints each SUMMARY block plus a recap of the headline ratios at the end (the reply keeps the tail).
@@ -65,9 +65,10 @@ for s in $stages; do
         gdn)  run_stage gdn_kernels 170 benchmarks/gdn_kernels.py ;;
         rec)  run_stage gdn_recurrent 240 benchmarks/gdn_recurrent.py ;;
         conv) run_stage conv_kernels 150 benchmarks/conv_kernels.py ;;
+        gemms) run_stage step_gemms 150 benchmarks/step_gemms.py ;;
         step) run_stage bi_trainer_step 240 benchmarks/bi_trainer_step.py --profile --budget-s 150 ;;
         inf)  run_stage bi_inference 150 benchmarks/bi_inference.py --batches 1,32,256 --decode-ctx 512 --decode-reps 5 --max-s 6 ;;
-        *) echo "unknown stage $s (gemm gdn rec conv step inf)" ;;
+        *) echo "unknown stage $s (gemm gdn rec conv gemms step inf)" ;;
     esac
 done
 

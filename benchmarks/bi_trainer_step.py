@@ -44,6 +44,7 @@ from bench_common import env_set, print_profile, profile_step, sync, two_packing
 from bench_common import add_slice_args, packed_lengths  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
+from titan_rl_ext.kernels.conv_triton import bwd_config  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
 from titan_rl_ext.kernels.rows import FUSED_BACKWARD_ENV  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
@@ -99,6 +100,7 @@ def main() -> int:
     guard = fla_chunk_bwd_guard(not args.no_guard_override, GUARD_OVERRIDDEN) if uses_fla else "n/a (FLA not used)"
     env = environment(dev)
     env["fla_chunk_bwd_guard"] = guard
+    env["conv_bwd_launch"] = bwd_config(dev)  # the GPU's entry of kernels/conv_bwd_tables.json, else the default
 
     cfg, model = build_slice(dev, args.smoke, args.vocab)
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,7 +1,7 @@
 """Issue 25: the causal conv's backward kernel (``kernels.conv_triton``) on the Qwen3.5-9B GDN shape, every
 variant and tile configuration in one process: checked against the shipped configuration, then timed.
 
-    python benchmarks/conv_kernels.py [--out conv_kernels.json]
+    python benchmarks/conv_kernels.py [--out conv_kernels.json] [--table-out titan_rl_ext/kernels/conv_bwd_tables.json]
     TRITON_INTERPRET=1 python benchmarks/conv_kernels.py --smoke --device cpu   # tiny shapes, CPU
 
 Shape: T = 8192 packed from 1000,3000,2500,1692; C = conv_dim 8192 (2 x 16 x 128 + 32 x 128), W = 4, bf16; x is
@@ -16,12 +16,16 @@ BLOCK_T matches, else within fp32 rounding of it (its per-tile partials follow B
 Floor: the backward reads x and dy and writes dx once (3 x 128 MB in bf16) plus the dw partials (T / BLOCK_T x
 W x C fp32, 32 MB at BLOCK_T 32): ~0.4 GB, ~0.1 ms at 4.3 TB/s; ``two_pass`` adds the dz round trip (512 MB).
 Session 29's trainer-step profile (H200): the shipped kernel 1.08 ms per call, 3 calls per step of the slice.
+
+``--table-out F``: the fastest configuration that passed the checks becomes this GPU's entry of F (the launch
+table ``causal_conv1d_backward_triton`` reads, ``kernels.conv_triton.BWD_TABLE_FILE``) when it beats the shipped
+one by more than ``--min-gain`` (else the shipped one is written: noise does not move the table).
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -34,16 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it als
 from bench_common import Timer, add_timing_args, base_parser, environment, fmt_table, json_saver  # noqa: E402
 from bench_common import print_header, resolve_device, two_rounds  # noqa: E402
 
-from titan_rl_ext.kernels.conv_triton import causal_conv1d_backward_triton, causal_conv1d_triton  # noqa: E402
-
-# what the trainer runs: the backward's keyword defaults, read from it so the baseline follows a changed default
-SHIPPED = {name: p.default for name, p in inspect.signature(causal_conv1d_backward_triton).parameters.items()
-           if p.kind is inspect.Parameter.KEYWORD_ONLY}
+from titan_rl_ext.kernels.conv_triton import bwd_config, causal_conv1d_backward_triton  # noqa: E402
+from titan_rl_ext.kernels.conv_triton import causal_conv1d_triton  # noqa: E402
 
 
-def configs(smoke: bool) -> list[dict[str, Any]]:
+def configs(smoke: bool, shipped: dict[str, Any]) -> list[dict[str, Any]]:
     if smoke:
-        return [SHIPPED, dict(variant="two_pass", block_t=32, block_c=128, num_warps=4),
+        return [shipped, dict(variant="two_pass", block_t=32, block_c=128, num_warps=4),
                 dict(variant="two_pass", block_t=16, block_c=64, num_warps=4)]
     grid = itertools.product(("fused", "two_pass"), (16, 32, 64), (64, 128, 256), (4, 8))
     return [dict(variant=v, block_t=bt, block_c=bc, num_warps=nw) for v, bt, bc, nw in grid]
@@ -57,8 +58,11 @@ def main() -> int:
     ap = base_parser(__doc__, "tiny shapes (CPU: set TRITON_INTERPRET=1)")
     add_timing_args(ap, warmup=2, reps=10, max_s=1.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--table-out", default="", help="write the fastest checked configuration as this GPU's entry")
+    ap.add_argument("--min-gain", type=float, default=1.02, help="speed-up over the shipped one a new entry needs")
     args = ap.parse_args()
     dev = resolve_device(ap, args)
+    SHIPPED = bwd_config(dev)  # what the trainer runs on this device: the table's entry, else the default
     t_start = time.perf_counter()
     lengths, C, width = ([20, 50, 30], 96, 160) if args.smoke else ([1000, 3000, 2500, 1692], 8192, 12352)
     if args.smoke:
@@ -79,7 +83,7 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     candidates: dict[str, dict[str, Any]] = {}
-    for cfg in configs(args.smoke):
+    for cfg in configs(args.smoke, SHIPPED):
         name = name_of(cfg)
         try:
             dx, dw = causal_conv1d_backward_triton(x, w, cu, dy, "silu", **cfg)
@@ -121,8 +125,22 @@ def main() -> int:
                            ("speedup_vs_shipped", "x shipped", ".2f"), ("dx_equal", "dx =", ""),
                            ("dw_equal", "dw =", ""), ("dw_max_diff", "dw max diff", ".2e"), ("ok", "ok", "")]))
     print(f"BEST {best}: {timing[best]['ms']:.3f} ms, {base / timing[best]['ms']:.2f}x the shipped {base:.3f} ms")
+    if args.table_out:
+        pick = candidates[best] if base / timing[best]["ms"] > args.min_gain else SHIPPED
+        results["table_entry"] = write_table_entry(Path(args.table_out), env.get("gpu") or "", pick)
+        print(f"TABLE {args.table_out}: {env.get('gpu')!r} -> {results['table_entry']}")
     save()
     return 0
+
+
+def write_table_entry(path: Path, gpu: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Set ``gpu``'s entry of the launch table at ``path`` (other GPUs' entries kept)."""
+    if not gpu:
+        raise SystemExit("--table-out needs a GPU: the table is keyed by its name")
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table[gpu] = {k: cfg[k] for k in ("variant", "block_t", "block_c", "num_warps")}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table[gpu]
 
 
 if __name__ == "__main__":

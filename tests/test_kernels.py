@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,3 +171,26 @@ def test_fla_chunk_guard_override_is_one_mechanism(monkeypatch) -> None:
     assert gdn.allow_fla_chunk_backward().startswith("overridden") and co.TRITON_ABOVE_3_7_1 is True
     assert gdn.fla_chunk_guard()[1].startswith("not active")
     assert gdn.allow_fla_chunk_backward().startswith("overridden")  # stays reported as overridden
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_conv_backward_launch_table(tmp_path, monkeypatch) -> None:
+    """The conv backward's launch comes from its GPU's entry of the measured table over the default; a GPU
+    without an entry (and CPU) gets the default; a malformed entry is an error naming the file."""
+    import json
+
+    from titan_rl_ext.kernels import conv_triton as ct
+
+    table = tmp_path / "conv_bwd_tables.json"
+    table.write_text(json.dumps({"GPU A": {"variant": "two_pass", "block_t": 16},
+                                 "GPU B": {"variant": "fused", "blk": 8}}))
+    monkeypatch.setattr(ct, "BWD_TABLE_FILE", table)
+    ct._bwd_table.cache_clear()
+    try:
+        assert ct.bwd_config_for("GPU A") == {**ct.BWD_DEFAULT, "variant": "two_pass", "block_t": 16}
+        assert ct.bwd_config_for("GPU C") == ct.BWD_DEFAULT
+        assert ct.bwd_config(torch.device("cpu")) == ct.BWD_DEFAULT
+        with pytest.raises(ValueError, match="conv_bwd_tables.json.*GPU B"):
+            ct.bwd_config_for("GPU B")
+    finally:
+        ct._bwd_table.cache_clear()

@@ -18,9 +18,21 @@ a token's bits do not depend on the other sequences of the step.
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+
+# The backward's launch per GPU model, measured by ``benchmarks/conv_kernels.py --table-out``: ``{gpu name:
+# {"variant", "block_t", "block_c", "num_warps"}}``. Every entry gives dx the default's bits (checked before
+# it is written; dx does not depend on the tiles) and dw within fp32 rounding of it (its per-tile partials
+# follow block_t); a GPU without an entry, and CPU tensors, use BWD_DEFAULT.
+BWD_TABLE_FILE = Path(__file__).with_name("conv_bwd_tables.json")
+BWD_DEFAULT: dict[str, Any] = {"variant": "fused", "block_t": 32, "block_c": 128, "num_warps": 4}
 
 
 @triton.jit
@@ -204,10 +216,32 @@ def _conv_bwd_dx_kernel(
 BWD_VARIANTS = ("fused", "two_pass")
 
 
+@functools.lru_cache(maxsize=None)
+def _bwd_table(gpu_name: str) -> tuple[tuple[str, Any], ...]:
+    if not gpu_name or not BWD_TABLE_FILE.exists():
+        return ()
+    entry = json.loads(BWD_TABLE_FILE.read_text()).get(gpu_name, {})
+    unknown = set(entry) - set(BWD_DEFAULT)
+    if unknown or entry.get("variant", "fused") not in BWD_VARIANTS:
+        raise ValueError(f"{BWD_TABLE_FILE.name}: bad entry for {gpu_name!r}: {entry}")
+    return tuple(entry.items())
+
+
+def bwd_config_for(gpu_name: str) -> dict[str, Any]:
+    """The backward's launch on the GPU model ``gpu_name`` ("" for CPU): its entry of ``BWD_TABLE_FILE`` over
+    ``BWD_DEFAULT``."""
+    return {**BWD_DEFAULT, **dict(_bwd_table(gpu_name))}
+
+
+def bwd_config(device: torch.device) -> dict[str, Any]:
+    """The launch ``causal_conv1d_backward_triton`` uses on ``device``."""
+    return bwd_config_for(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+
+
 def causal_conv1d_backward_triton(
     x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor, dy_TC: torch.Tensor,
-    activation: str | None = "silu", *, variant: str = "fused", block_t: int = 32, block_c: int = 128,
-    num_warps: int = 4,
+    activation: str | None = "silu", *, variant: str | None = None, block_t: int | None = None,
+    block_c: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx [T, C] in x's dtype, dw [C, W] in the weight's dtype)`` of ``causal_conv1d_triton`` without initial
     state or bias, given the output's gradient ``dy``. dx sums its W contributions in fp32 and rounds once; dw
@@ -216,7 +250,8 @@ def causal_conv1d_backward_triton(
     ``variant``: ``fused`` (one launch; each tile recomputes the W outputs its rows feed, W^2 tap loads) or
     ``two_pass`` (dz of every row stored in fp32, then dx from it: W + 1 tap loads and a [T, C] fp32 round
     trip). Both give the same bits; ``block_t`` sets the dw partials' tiles, so dw's bits depend on it (dx's do
-    not). ``benchmarks/conv_kernels.py`` times them."""
+    not). Each launch argument left ``None`` comes from ``bwd_config`` (the GPU's measured table, else
+    ``BWD_DEFAULT``); ``benchmarks/conv_kernels.py`` times them."""
     if activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {activation!r}")
     T, C = x_TC.shape
@@ -229,6 +264,9 @@ def causal_conv1d_backward_triton(
     w = weight_CW.contiguous()
     dy = dy_TC.contiguous()
     cu = cu_seqlens.to(device=x_TC.device, dtype=torch.int32).contiguous()
+    asked = {"variant": variant, "block_t": block_t, "block_c": block_c, "num_warps": num_warps}
+    cfg = {**bwd_config(x_TC.device), **{k: v for k, v in asked.items() if v is not None}}
+    variant, block_t, block_c, num_warps = cfg["variant"], cfg["block_t"], cfg["block_c"], cfg["num_warps"]
     if variant not in BWD_VARIANTS:
         raise ValueError(f"unknown conv backward variant {variant!r}; one of {BWD_VARIANTS}")
     dx = torch.empty(T, C, dtype=x_TC.dtype, device=x_TC.device)

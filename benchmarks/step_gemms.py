@@ -7,8 +7,9 @@ operand layouts, each timed alone against the device's GEMM peak, and every host
 The step is ``bi_trainer_step``'s (4-layer Qwen3.5-9B slice, T = 8192 packed from 1000,3000,2500,1692,
 ``token_logprobs(...).nansum().backward()``). One step per mode runs under a dispatch mode that records each
 ``aten.mm / addmm / bmm / baddbmm`` call (shapes, strides, dtypes, forward or backward, the project function that
-issued it) and each op that makes the host wait for the device (``_local_scalar_dense`` = ``.item()``,
-``nonzero``, boolean-mask indexing, copies to the CPU), with the first project frame that called it.
+issued it), each op that makes the host wait for the device (``_local_scalar_dense`` = ``.item()``,
+``nonzero``, boolean-mask indexing, copies to the CPU) and each op that only moves data (copies, casts, ``cat``,
+gathers and scatters: bytes written), with the innermost project frame that called it.
 
 Then every distinct GEMM is rebuilt (same shapes, strides, dtypes, keyword arguments) and timed alone, and, for
 plain 2-D ``mm``, in the 7 other operand/result layouts of the same product (row- or column-major A, B and C):
@@ -49,6 +50,10 @@ GEMM_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 # ops after which the host has a device value in hand, so it waited for every kernel queued before them
 HOST_READ_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal,
                  aten.unique_consecutive, aten._unique2, aten.repeat_interleave}
+# ops that only move data: where the profile's "cat/copy/index" kernels come from
+MOVE_OPS = {aten.copy_, aten._to_copy, aten.cat, aten.clone, aten.index, aten.index_put_, aten.index_put,
+            aten.gather, aten.scatter, aten.scatter_add, aten.index_select, aten.index_add, aten.roll,
+            aten.constant_pad_nd, aten.repeat, aten.stack}
 PROJECT_DIRS = ("titan_rl_ext", "vllm_titan_plugin", "fla")
 
 
@@ -109,6 +114,7 @@ class StepLog(TorchDispatchMode):
         super().__init__()
         self.gemms: dict[str, GemmCall] = {}
         self.host_reads: Counter = Counter()
+        self.moves: dict[str, list[float]] = {}  # "op <- site" -> [calls, bytes written]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -125,7 +131,21 @@ class StepLog(TorchDispatchMode):
         elif packet is aten.index and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                           for i in (args[1] if len(args) > 1 else ()) if i is not None):
             self.host_reads[f"index(bool mask) <- {_site()}"] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if packet in MOVE_OPS:
+            phase = "bwd" if torch._C._current_autograd_node() is not None else "fwd"
+            rec = self.moves.setdefault(f"{packet.__name__} ({phase}) <- {_site()}", [0, 0.0])
+            rec[0] += 1
+            rec[1] += sum(t.numel() * t.element_size() for t in _tensors(out))
+        return out
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
 
 
 def _to_host(args: tuple, kwargs: dict) -> bool:
@@ -270,9 +290,12 @@ def main() -> int:
         floor = sum(r["ms_total"] - r["excess_ms"] for r in rows)
         gain = sum(max(r.get("layout_gain_ms", 0.0), 0.0) for r in rows)
         reads = dict(log.host_reads.most_common())
+        moves = [{"what": k, "calls": int(v[0]), "gb_written": v[1] / 1e9}
+                 for k, v in sorted(log.moves.items(), key=lambda kv: -kv[1][1])]
         results["modes"][mode] = {"gemms": rows, "gemm_ms_alone": total, "gemm_floor_ms": floor,
                                   "layout_gain_ms": gain, "n_gemm_calls": sum(r["count"] for r in rows),
-                                  "host_reads": reads, "n_host_reads": sum(reads.values())}
+                                  "host_reads": reads, "n_host_reads": sum(reads.values()),
+                                  "moves": moves, "moves_gb_written": sum(m["gb_written"] for m in moves)}
         save()
         print(f"\n{mode}: {sum(r['count'] for r in rows)} cuBLAS GEMM calls ({len(rows)} distinct), alone "
               f"{total:.1f} ms, at the peak {floor:.1f} ms (excess {total - floor:.1f} ms); best other layouts "
@@ -284,6 +307,10 @@ def main() -> int:
         print(f"host reads (the host waits for the queue): {sum(reads.values())}")
         for what, n in reads.items():
             print(f"  {n:4d}x {what}")
+        print(f"data movement (copies, casts, cat, gathers/scatters): {results['modes'][mode]['moves_gb_written']:.2f} GB "
+              "written; the largest:")
+        for m in moves[:15]:
+            print(f"  {m['gb_written']:8.3f} GB {m['calls']:4d}x {m['what']}")
 
     print("\nSUMMARY step_gemms")
     for mode, m in results["modes"].items():

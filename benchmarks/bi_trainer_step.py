@@ -49,7 +49,7 @@ from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
 from titan_rl_ext.kernels.rows import FUSED_BACKWARD_ENV  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
 from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
-from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
+from titan_rl_ext.kernels.lm_head import HEAD_LSE_ENV, token_logprobs_fused  # noqa: E402
 from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
 GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
@@ -122,7 +122,10 @@ def main() -> int:
         model.zero_grad(set_to_none=True)
 
     modes = {"bi": True, "nonbi": False}
-    check_modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_titan_rec": (True, {RECURRENT_ENV: "titan"})}
+    # bi_torch_lse: the head's log-softmax through torch.log_softmax instead of the statistics kernel, whose
+    # logprobs must be the same bits (it replicates torch's summation order)
+    check_modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_titan_rec": (True, {RECURRENT_ENV: "titan"}),
+                   "bi_torch_lse": (True, {HEAD_LSE_ENV: "torch"})}
 
     # ---- sanity: another batch composition -> BI logprobs bit-identical (also warms up every kernel) -------
     # Packing B = a 127-token filler sequence, then the same sequences rotated: every sequence sits at
@@ -144,14 +147,16 @@ def main() -> int:
         del lp_a, lp_b, lp_b_packed
     v = ~lp_by_mode["bi"].isnan()
     check["bi_vs_nonbi_max_abs_diff"] = (lp_by_mode["bi"][v] - lp_by_mode["nonbi"][v]).abs().max().item()
+    check["lse_kernel_vs_torch_differing"] = int((lp_by_mode["bi"][v] != lp_by_mode["bi_torch_lse"][v]).sum())
     del lp_by_mode
     bi_ok = all(check[m]["differing"] == 0 and check[m]["nan_pattern_equal"] and check[m]["finite"]
-                for m in ("bi", "bi_titan_rec"))
+                for m in ("bi", "bi_titan_rec", "bi_torch_lse")) and check["lse_kernel_vs_torch_differing"] == 0
     results["order_check"] = check
     print(f"order check (sequences packed {order} vs {check['order_b']}): BI on {check['bi']['differing']}/{check['bi']['tokens']} "
           f"logprobs differ, BI with the titan recurrent kernel {check['bi_titan_rec']['differing']} "
           f"({'OK, bit-identical' if bi_ok else 'FAIL'}); BI off {check['nonbi']['differing']}/"
-          f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}); "
+          f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}); head statistics kernel vs "
+          f"torch.log_softmax {check['lse_kernel_vs_torch_differing']} differ; "
           f"BI vs non-BI max |diff| {check['bi_vs_nonbi_max_abs_diff']:.2e}", flush=True)
     save()
 
@@ -167,6 +172,8 @@ def main() -> int:
     step_modes = {m: (on, keep, {}) for m, on in modes.items()}
     step_modes.update({"bi_head_recompute": (True, 0, {}), "nonbi_head_recompute": (False, 0, {}),
                        "bi_titan_rec": (True, keep, {RECURRENT_ENV: "titan"}),
+                       "bi_torch_lse": (True, keep, {HEAD_LSE_ENV: "torch"}),
+                       "nonbi_torch_lse": (False, keep, {HEAD_LSE_ENV: "torch"}),
                        "bi_ref_bwd": (True, keep, {FUSED_BACKWARD_ENV: "0"}),
                        "nonbi_ref_bwd": (False, keep, {FUSED_BACKWARD_ENV: "0"})})
     timer = Timer(dev)
@@ -226,6 +233,10 @@ def main() -> int:
           f"vs non-BI: {results['ratio_bi_titan_rec_over_nonbi_throughput']}", flush=True)
     print(f"  head backward from the kept log-softmax vs recomputed logits (throughput): "
           f"{results['ratio_kept_head_over_recompute_throughput']}", flush=True)
+    results["ratio_lse_kernel_over_torch_log_softmax_throughput"] = {
+        "bi": tput_ratio("bi", "bi_torch_lse"), "nonbi": tput_ratio("nonbi", "nonbi_torch_lse")}
+    print(f"  head log-softmax statistics kernel vs torch.log_softmax (throughput): "
+          f"{results['ratio_lse_kernel_over_torch_log_softmax_throughput']}", flush=True)
     save()
 
     # ---- breakdown: each component's fwd+bwd alone ------------------------------------------------------

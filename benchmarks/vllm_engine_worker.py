@@ -105,7 +105,10 @@ class Engine:
         cfg = args.config
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["TITAN_BATCH_INVARIANT"] = "1" if cfg.startswith("titan_bi") else "0"
-        os.environ["TITAN_GDN_RECURRENT"] = "titan" if cfg.endswith("_rec") else "fla"
+        # *_rec / *_fla name the GDN recurrent kernel; the others run what the driver's environment says,
+        # i.e. the shipped default unless TITAN_GDN_RECURRENT is set for the whole run
+        if cfg.endswith(("_rec", "_fla")):
+            os.environ["TITAN_GDN_RECURRENT"] = "titan" if cfg.endswith("_rec") else "fla"
         if args.scopes:  # vLLM's record_function scopes (for "anatomy"): read once, at the first scope
             os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         import torch
@@ -132,6 +135,10 @@ class Engine:
             "async_scheduling": self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "pid": os.getpid(),
         }
+        if not native:
+            from titan_rl_ext.kernels.gdn import recurrent_kernel
+
+            self.info["gdn_recurrent"] = recurrent_kernel()
         self._warm: set[str] = set()
 
     def _workload(self, cmd: dict[str, Any]) -> tuple[str, list[Any], Any]:

@@ -1,7 +1,9 @@
 """The CUDA fused kernels of the layers -- ``kernels.rows_triton`` (RMSNorm both flavours, gated RMSNorm,
 l2norm, SwiGLU, the GDN gates) and ``kernels.conv_triton`` (causal conv with state) -- run on CPU under the Triton
 interpreter and checked against their plain-PyTorch references (``kernels.rows``, ``kernels.conv``); and the fp32 head's
-backward kernel (``kernels.lm_head_triton``) against ``lm_head.head_grad_reference``, and the MoE grouped GEMM
+backward kernel (``kernels.lm_head_triton``) against ``lm_head.head_grad_reference``, the head's log-softmax
+statistics in torch's summation order (``kernels.log_softmax_triton``) against their torch emulation, and the MoE
+grouped GEMM
 (``kernels.grouped_gemm_triton``) against ``grouped_gemm.grouped_mm_reference``.
 
 What must hold exactly (``torch.equal``): a row's / token's bits do not depend on which other rows or
@@ -346,6 +348,77 @@ def _check_head_grad() -> None:
         raise AssertionError("a float64 lp must be refused")
 
 
+def _check_log_softmax_stats() -> None:
+    """``log_softmax_triton``: each row's max and log-sum-exp in torch's CUDA summation order, against the plain-
+    PyTorch emulation of that order with the interpreter's own ``exp``/``log`` (numpy's), bit for bit, for rows
+    with and without a tail past the last full 4096 columns; ``(x - max) - logsum`` at the target is the ``lp``
+    written; what does not replicate torch's path is refused; the head's backward from the kept logits equals
+    its backward from the log-softmax those logits give; and ``token_logprobs_fused`` through this path
+    (forced here; on CUDA a probe against ``torch.log_softmax`` decides) matches torch's log-softmax to fp32
+    rounding, forward and gradients (CPU torch sums in another order)."""
+    import numpy as np
+    import torch
+
+    from titan_rl_ext.kernels import lm_head
+    from titan_rl_ext.kernels.lm_head_triton import head_grad
+    from titan_rl_ext.kernels.log_softmax_triton import MIN_V, log_softmax_stats, log_softmax_stats_reference
+    from titan_rl_ext.kernels.log_softmax_triton import replicates
+
+    def np_exp(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.exp(t.numpy()))
+
+    def np_log(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.log(t.numpy()))
+
+    g = torch.Generator().manual_seed(6)
+    for V in (MIN_V, MIN_V + 4, 4096 * 5 + 2564):  # no tail; a 4-column tail; a tail of 3 rounds, 2 of them partial
+        x = torch.randn(3, V, generator=g) * 4
+        x[1, 7] = 40.0  # one column dominates
+        x[2, : V // 2] -= 95.0  # exp of half the row near or under fp32's normal range
+        tgt = torch.randint(0, V, (3,), generator=g)
+        lp, m, logsum = log_softmax_stats(x, tgt)
+        m_ref, logsum_ref = log_softmax_stats_reference(x, np_exp, np_log)
+        assert torch.equal(m, m_ref) and torch.equal(logsum, logsum_ref), (V, logsum - logsum_ref)
+        assert torch.equal(lp, (x[torch.arange(3), tgt] - m) - logsum)
+        assert log_softmax_stats(x)[0] is None
+        # the backward from the logits = the backward from their log-softmax (same lp bits, same kernel)
+        gt = torch.randn(3, generator=g)
+        lp_rows = (x - m[:, None]) - logsum[:, None]
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(head_grad(x, gt, tgt, dtype, row_max=m, row_logsum=logsum),
+                               head_grad(lp_rows, gt, tgt, dtype))
+    assert not replicates(torch.zeros(2, MIN_V - 4))  # torch keeps such rows in shared memory: another order
+    assert not replicates(torch.zeros(2, MIN_V + 4)[:, 1:])  # rows starting off a 16-byte boundary
+    assert not replicates(torch.zeros(2, MIN_V, dtype=torch.float64))
+    try:
+        log_softmax_stats(torch.zeros(2, MIN_V - 4))
+    except ValueError as e:
+        assert "aligned unit-stride rows" in str(e)
+    else:
+        raise AssertionError("logits the kernel cannot replicate torch on must be refused")
+    # the trainer's head through this path (the CUDA gate forced open), two chunks, one kept and one recomputed
+    T, D, V = 6, 16, MIN_V + 4
+    h = torch.randn(T, D, generator=g, requires_grad=True)
+    w = (torch.randn(V, D, generator=g) * 0.5).requires_grad_(True)
+    tgt = torch.randint(0, V, (T,), generator=g)
+    gl = torch.randn(T, generator=g)
+    saved = (lm_head._lse_kernel_ok, lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES)
+    lm_head._lse_kernel_ok = lambda logits: True
+    lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES = 3 * V * 4, 3 * V * 4
+    try:
+        lp = lm_head.token_logprobs_fused(h, w, tgt)
+        (lp * gl).sum().backward()
+    finally:
+        lm_head._lse_kernel_ok, lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES = saved
+    dh, dw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = (h @ w.t()).log_softmax(-1).gather(1, tgt[:, None]).squeeze(1)
+    (ref * gl).sum().backward()
+    _close(lp, ref)
+    _close(dh, h.grad)
+    _close(dw, w.grad)
+
+
 def _check_grouped_mm() -> None:
     """The MoE grouped GEMM (``grouped_gemm_triton``) against the expert-by-expert reference; a row's bits
     do not depend on how many rows its expert or the others got (batch invariance); empty experts, ragged
@@ -389,7 +462,7 @@ def _check_grouped_mm() -> None:
 
 def _main() -> None:
     run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_row_backward, _check_conv,
-                _check_conv_backward, _check_head_grad, _check_grouped_mm))
+                _check_conv_backward, _check_head_grad, _check_log_softmax_stats, _check_grouped_mm))
 
 
 if __name__ == "__main__":

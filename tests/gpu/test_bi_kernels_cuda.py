@@ -5,6 +5,10 @@
 - its backward (FlashAttention varlen through torch) and the non-BI flash path against float64;
 - the fused fp32 head: BI logprobs bit-equal to ``log_softmax`` of the full logits at any row count, and
   the gradient error of its bf16 backward against float64;
+- the head's log-softmax statistics kernel (``log_softmax_triton``): ``(x - max) - logsum`` equals
+  ``torch.log_softmax`` on every column of many rows at the vocabularies the models use, as does its plain-
+  PyTorch emulation of torch's order; the head through it equals the head through torch's kernel, forward and
+  gradients;
 - FLA's chunk backward with its Hopper/Triton-3.6 guard overridden (FLA #640): gradients against a
   float64 reference at the shapes the project trains (9B heads, packed varlen, T = 8192 and 16384).
 
@@ -143,6 +147,58 @@ def test_fused_head_bits_and_gradient_error() -> None:
     e_h, e_w = _rel(hh.grad, h64.grad), _rel(ww.grad, w64.grad)
     print(f"\n  fused head bf16 backward vs float64: rel err dh {e_h:.1e}, dW {e_w:.1e}")
     assert e_h < 1e-2 and e_w < 1e-2, (e_h, e_w)
+
+
+@pytest.mark.parametrize("V", [248320, 151936, 128256, 32000, 16384, 16388])  # Qwen3.5, Qwen3, Llama 3, Llama 2
+def test_head_log_softmax_stats_equal_torch(V: int) -> None:
+    """torch's CUDA log-softmax replicated: every column of 512 rows (logit-like spreads from 0.1 to 30, spikes,
+    rows whose exponentials underflow into denormals), and the emulation of torch's order in plain PyTorch."""
+    from titan_rl_ext.kernels.lm_head import _probe_agrees
+    from titan_rl_ext.kernels.log_softmax_triton import log_softmax_stats, log_softmax_stats_reference
+
+    g = torch.Generator(device=DEV).manual_seed(V)
+    scale = torch.logspace(-1, 1.5, 512, device=DEV)[:, None]
+    x = torch.randn(512, V, device=DEV, generator=g) * scale
+    x[::7, V // 5] += 50.0
+    x[3::11, : V // 3] -= 100.0  # exp(x - max) in [2^-149, 2^-126): denormals in torch's sum
+    tgt = torch.randint(0, V, (512,), device=DEV, generator=g)
+    lp, m, logsum = log_softmax_stats(x, tgt)
+    want = x.log_softmax(-1)
+    got = (x - m[:, None]) - logsum[:, None]
+    print(f"\n  V={V}: rows differing from torch.log_softmax {int((got != want).any(1).sum())}/512")
+    assert torch.equal(got, want)
+    assert torch.equal(lp, want.gather(1, tgt[:, None]).squeeze(1))
+    m_ref, logsum_ref = log_softmax_stats_reference(x[:64])
+    assert torch.equal(m_ref, m[:64]) and torch.equal(logsum_ref, logsum[:64])
+    assert _probe_agrees(torch.device(DEV, torch.cuda.current_device()), V)
+
+
+def test_head_through_stats_kernel_equals_torch_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``token_logprobs_fused`` with the statistics kernel vs with torch's log-softmax (``TITAN_HEAD_LSE=torch``):
+    the same logprob bits (BI and not) and the same gradient bits."""
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.kernels.lm_head import HEAD_LSE_ENV, token_logprobs_fused
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    D, V, T = 1024, 151936, 768
+    w0 = (torch.randn(V, D, device=DEV, generator=g) * 0.03).bfloat16()
+    h0 = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    tgt = torch.randint(0, V, (T,), device=DEV, generator=g)
+    gl = torch.randn(T, device=DEV, generator=g)
+
+    def run(bi_on: bool) -> tuple[torch.Tensor, ...]:
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        with batch_invariant(bi_on):
+            lp = token_logprobs_fused(h, w, tgt)
+        (lp * gl).sum().backward()
+        return lp.detach(), h.grad, w.grad
+
+    for bi_on in (True, False):
+        fast = run(bi_on)
+        monkeypatch.setenv(HEAD_LSE_ENV, "torch")
+        ref = run(bi_on)
+        monkeypatch.delenv(HEAD_LSE_ENV)
+        assert all(torch.equal(a, b) for a, b in zip(fast, ref)), bi_on
 
 
 @pytest.mark.parametrize("lens", [LENS_9B, [5000, 11384]])

@@ -269,13 +269,14 @@ def fla_available() -> bool:
 
 RECURRENT_ENV = "TITAN_GDN_RECURRENT"
 RECURRENT_KERNELS = ("fla", "titan")
+RECURRENT_DEFAULT = "fla"
 
 
 def recurrent_kernel() -> str:
     """Which kernel runs recurrent forwards on CUDA (BI mode's forward everywhere, decode-sized non-BI calls):
     ``TITAN_GDN_RECURRENT`` = ``fla`` (default: FLA's ``fused_recurrent``) or ``titan`` (``kernels.gdn_triton``).
     The two round differently, so the trainer and every generator of a run must name the same one."""
-    name = os.environ.get(RECURRENT_ENV, "fla")
+    name = os.environ.get(RECURRENT_ENV, RECURRENT_DEFAULT)
     if name not in RECURRENT_KERNELS:
         raise ValueError(f"{RECURRENT_ENV}={name!r}: expected one of {', '.join(RECURRENT_KERNELS)}")
     return name

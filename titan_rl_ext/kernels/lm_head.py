@@ -9,32 +9,54 @@ Batch invariant mode: the Triton BI GEMM; otherwise cuBLAS. Elsewhere (CPU, fp32
 are widened to fp32 as before.
 
 ``token_logprobs_fused`` returns ``log_softmax(h @ W^T)[t, target_t]`` for every row, computed over
-row chunks of at most ``CHUNK_BYTES`` of fp32 logits, with the same ``log_softmax`` call vLLM's sampler
-makes on the generator's logits (row by row, so chunking does not change a row's bits). Those forward bits
-pin the forward to materialising the fp32 logits and their log-softmax (a tiled online softmax would round
-differently from the sampler's). So the backward reuses what the forward already wrote: the log-softmax
-chunks are kept (up to ``SAVE_BYTES``, ``TITAN_HEAD_SAVE_GB``) and the backward forms ``g * (onehot -
-exp(lp))`` from them in one pass (``lm_head_triton`` on CUDA, under the fused-kernel switch of
-``kernels.rows``), with no second logits GEMM: 2 of the 3
-head GEMMs of a step instead of 3 of 4. Chunks past the budget recompute their logits as before. dgrad
-and wgrad are 16-bit GEMMs with fp32 accumulation (cuBLAS; gradients need not be batch invariant);
+row chunks of at most ``CHUNK_BYTES`` of fp32 logits, bit for bit what vLLM's sampler gets from
+``logits.log_softmax(-1)`` on the generator's logits (row by row, so chunking does not change a row's bits).
+Those bits pin the forward to materialising the fp32 logits (a tiled online softmax would round differently
+from the sampler's). On CUDA the log-softmax itself is not written: ``log_softmax_triton`` computes each row's
+max and log-sum-exp in the order of torch's kernel and the target column with torch's epilogue (two reads of
+the logits, against torch's three reads and a ``[T, V]`` fp32 write), checked against ``torch.log_softmax`` on
+a probe once per device and vocabulary (``TITAN_HEAD_LSE=torch``, or a probe that differs: torch's kernel).
+The backward reuses what the forward wrote: the logits (or, on torch's path, the log-softmax) are kept (up to
+``SAVE_BYTES``, ``TITAN_HEAD_SAVE_GB``) and the backward forms ``g * (onehot - exp(lp))`` from them in one pass
+(``lm_head_triton`` on CUDA, under the fused-kernel switch of ``kernels.rows``), with no second logits GEMM: 2 of
+the 3 head GEMMs of a step instead of 3 of 4. Chunks past the budget recompute their logits. dgrad and wgrad are
+16-bit GEMMs with fp32 accumulation (cuBLAS; gradients need not be batch invariant);
 ``tests/gpu/test_bi_kernels_cuda.py::test_fused_head_bits_and_gradient_error`` measures the gradient error
 against float64.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from typing import NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from titan_rl_ext.kernels import batch_invariant as bi
 
+logger = logging.getLogger(__name__)
+
 CHUNK_BYTES = 4 << 30  # fp32 logits per chunk (and as much again for its log-softmax)
 SAVE_BYTES = int(float(os.environ.get("TITAN_HEAD_SAVE_GB", "8")) * (1 << 30))
 """fp32 log-softmax the forward keeps for the backward (per call); 0: always recompute the logits."""
 _LOW = (torch.bfloat16, torch.float16)
+HEAD_LSE_ENV = "TITAN_HEAD_LSE"
+"""``torch``: the head's log-softmax through ``torch.log_softmax`` even where the project's kernel replicates it."""
+
+
+class LogitRows(NamedTuple):
+    """A chunk's fp32 logits with each row's max and log-sum-exp: ``(logits - max) - logsum`` is its
+    log-softmax, bit for bit ``torch.log_softmax``."""
+
+    logits: torch.Tensor
+    row_max: torch.Tensor
+    row_logsum: torch.Tensor
+
+
+Rows = Union[LogitRows, torch.Tensor]  # or a chunk's log-softmax itself (torch's path)
 
 
 def _low_precision_cuda(h: torch.Tensor, w: torch.Tensor) -> bool:
@@ -62,6 +84,47 @@ def head_logits_fp32(h_TD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
     return F.linear(h_TD.float(), w_VD.float())
 
 
+def _lse_kernel_ok(logits: torch.Tensor) -> bool:
+    """Whether ``log_softmax_triton`` stands in for ``torch.log_softmax`` on these logits."""
+    from titan_rl_ext.kernels.rows import fused_available
+
+    if os.environ.get(HEAD_LSE_ENV, "") == "torch" or not fused_available(logits):
+        return False
+    from titan_rl_ext.kernels.log_softmax_triton import replicates
+
+    return replicates(logits) and _probe_agrees(logits.device, logits.shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_agrees(device: torch.device, V: int) -> bool:
+    """The kernel against ``torch.log_softmax`` on probe rows of this width (logit-like spreads, a spike, a row
+    whose tail underflows ``exp``), every column compared: a torch build that sums in another order, or
+    takes another kernel for this width, keeps torch's log-softmax (with a warning) instead of shifting bits."""
+    from titan_rl_ext.kernels.log_softmax_triton import log_softmax_stats
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(8, V, device=device, generator=g) * torch.tensor([0.5, 2, 4, 8, 4, 4, 4, 30], device=device)[:, None]
+    x[4, V // 3] = 60.0
+    x[5, : V // 2] -= 120.0
+    _, m, logsum = log_softmax_stats(x)
+    ok = torch.equal((x - m[:, None]) - logsum[:, None], x.log_softmax(-1))
+    if not ok:
+        logger.warning("titan head: the log-softmax kernel differs from torch.log_softmax on this torch build "
+                       "(V=%d, %s); using torch's kernel", V, torch.__version__)
+    return ok
+
+
+def _rows_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Rows]:
+    """``(lp at targets [T], what the backward needs)`` of a chunk's fp32 logits."""
+    if _lse_kernel_ok(logits):
+        from titan_rl_ext.kernels.log_softmax_triton import log_softmax_stats
+
+        lp_t, m, logsum = log_softmax_stats(logits, targets)
+        return lp_t, LogitRows(logits, m, logsum)
+    lp = logits.log_softmax(dim=-1, dtype=torch.float32)
+    return lp.gather(1, targets[:, None]).squeeze(1), lp
+
+
 def chunk_rows(V: int) -> int:
     return max(1, CHUNK_BYTES // (4 * max(V, 1)))
 
@@ -78,15 +141,20 @@ def head_grad_reference(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Ten
     return grad if out_dtype == grad.dtype else grad.to(out_dtype)
 
 
-def _head_grad(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype,
+def _head_grad(rows: Rows, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype,
                out: torch.Tensor | None = None) -> torch.Tensor:
     from titan_rl_ext.kernels.rows import fused_available
 
-    if fused_available(lp_TV):  # CUDA, triton, TITAN_FUSED_KERNELS not "0": the layers' fused-kernel switch
+    if isinstance(rows, LogitRows):  # only made where the kernels run
         from titan_rl_ext.kernels.lm_head_triton import head_grad
 
-        return head_grad(lp_TV, g_T, tgt_T, out_dtype, out=out)
-    return head_grad_reference(lp_TV, g_T, tgt_T, out_dtype, out=out)
+        return head_grad(rows.logits, g_T, tgt_T, out_dtype, out=out, row_max=rows.row_max,
+                         row_logsum=rows.row_logsum)
+    if fused_available(rows):  # CUDA, triton, TITAN_FUSED_KERNELS not "0": the layers' fused-kernel switch
+        from titan_rl_ext.kernels.lm_head_triton import head_grad
+
+        return head_grad(rows, g_T, tgt_T, out_dtype, out=out)
+    return head_grad_reference(rows, g_T, tgt_T, out_dtype, out=out)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -95,14 +163,13 @@ class _TokenLogprobs(torch.autograd.Function):
         T, V = h_TD.shape[0], w_VD.shape[0]
         out = torch.empty(T, dtype=torch.float32, device=h_TD.device)
         step = chunk_rows(V)
-        kept: list[torch.Tensor] = []  # the first chunks' log-softmax, within SAVE_BYTES (only for a backward)
+        kept: list[Rows] = []  # the first chunks' logits or log-softmax, within SAVE_BYTES (only for a backward)
         for r0 in range(0, T, step):
             r1 = min(T, r0 + step)
-            lp = head_logits_fp32(h_TD[r0:r1], w_VD).log_softmax(dim=-1, dtype=torch.float32)
-            out[r0:r1] = lp.gather(1, targets_T[r0:r1, None]).squeeze(1)
+            out[r0:r1], rows = _rows_of(head_logits_fp32(h_TD[r0:r1], w_VD), targets_T[r0:r1])
             if keep and (len(kept) + 1) * step * V * 4 <= SAVE_BYTES and len(kept) * step == r0:
-                kept.append(lp)
-            del lp
+                kept.append(rows)
+            del rows
         ctx.save_for_backward(h_TD, w_VD, targets_T)
         ctx.kept_lp = kept
         return out
@@ -127,14 +194,12 @@ class _TokenLogprobs(torch.autograd.Function):
         for i, r0 in enumerate(range(0, T, step)):
             r1 = min(T, r0 + step)
             h_c, g_c = h[r0:r1], g_T[r0:r1]
-            if i < len(kept):  # the forward's log-softmax: no second logits GEMM
-                lp, kept[i] = kept[i], None  # type: ignore[call-overload]
+            if i < len(kept):  # what the forward kept: no second logits GEMM
+                rows, kept[i] = kept[i], None  # type: ignore[call-overload]
             else:
-                logits = _mm_fp32_out(h_c, w.t()) if low else F.linear(h_c.float(), w.float())
-                lp = logits.log_softmax(dim=-1)
-                del logits
-            grad = _head_grad(lp, g_c, tgt[r0:r1], grad_dtype, out=grad_TV[r0:r1] if whole else None)
-            del lp
+                _, rows = _rows_of(_mm_fp32_out(h_c, w.t()) if low else F.linear(h_c.float(), w.float()), tgt[r0:r1])
+            grad = _head_grad(rows, g_c, tgt[r0:r1], grad_dtype, out=grad_TV[r0:r1] if whole else None)
+            del rows
             if need_h:
                 dh[r0:r1] = grad @ w if low else (grad @ w.float()).to(h.dtype)
             if dw32 is not None:

@@ -1,0 +1,158 @@
+"""The sampled token's log-softmax with torch's bits, without writing the ``[T, V]`` log-softmax.
+
+The trainer's logprob of a sampled token must equal the generator's bit for bit, and vLLM's sampler takes it
+from ``logits.log_softmax(-1)`` on fp32 logits (torch's CUDA kernel). Calling that kernel in the trainer costs
+a full ``[T, V]`` fp32 output and three reads of the logits (torch's row kernel finds the max, then the sum of
+exponentials, then writes every output: 16 GB per 4 GB chunk of the 9B head's logits). The trainer needs only
+the target column of each row, plus what its backward needs to rebuild any column. This kernel computes, per
+row, torch's ``max`` and ``logsum = log(sum(exp(x - max)))`` in torch's own summation order, then
+``lp[target] = (x[target] - max) - logsum`` -- torch's epilogue, so the value written is the one torch would
+have written: two reads of the logits, no ``[T, V]`` output. The backward rebuilds any row's log-softmax from
+the kept logits with the same epilogue (``lm_head_triton.head_grad``), so gradients keep their bits too.
+
+torch's order (``aten/src/ATen/native/cuda/SoftMax.cu``, the ``cunn_SoftMaxForward`` path taken for fp32 rows
+longer than its shared-memory variant holds, inner size 1): one block of 1024 threads per row; thread ``t``
+accumulates ``exp(x - max)`` in fp32, in order, over its float4 groups ``4 (t + 1024 k) + j`` (k ascending, j
+= 0..3) for the first ``V - V % 4096`` columns, then the columns ``V - V % 4096 + t + 1024 m``; the 1024 partial
+sums are reduced by a warp-shuffle tree (lane ``i`` adds lane ``i + 16``, then ``i + 8``, ..., within each of
+the 32 warps, then the same tree over the 32 warp sums). That holds for rows that start 16-byte aligned
+(``REPLICATES`` checks it) with ``V >= MIN_V``; ``log_softmax_stats_reference`` is the same order in plain
+PyTorch. ``exp`` / ``log`` are libdevice's ``expf`` / ``logf``, the functions nvcc compiles ``std::exp`` /
+``std::log`` to. Whether a given torch build still takes that path is not assumed: ``lm_head`` compares this
+kernel with ``torch.log_softmax`` on a probe the first time it runs on a device and keeps torch's kernel
+if any bit differs (``tests/gpu/test_bi_kernels_cuda.py`` compares them on many rows).
+
+Runs under the Triton interpreter (``TRITON_INTERPRET=1``) on CPU tensors, against the reference with the
+interpreter's ``exp`` (``tests/test_fused_triton_interp.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+THREADS, ILP, WARP = 1024, 4, 32  # torch's block for rows of >= 1024 fp32, its float4 loads, the warp
+MIN_V = 16384  # below ~12 k fp32 columns torch caches the row in shared memory (another summation order)
+# nvcc's build of torch keeps denormals and contracts nothing here; Triton's defaults flush libdevice's denormals
+# (exp of a logit ~90 below the max is a denormal in torch, 0 otherwise) and fuse multiply-adds
+_EXACT = {"enable_reflect_ftz": False, "enable_fp_fusion": False}
+
+
+@triton.jit
+def _tree32(v, LEAD: tl.constexpr):
+    """``v [LEAD, 32] -> [LEAD]``: a warp-shuffle-down sum per row (lane i += lane i + 16, + 8, ..., + 1)."""
+    v = tl.sum(tl.reshape(v, (LEAD, 2, 16)), axis=1)
+    v = tl.sum(tl.reshape(v, (LEAD, 2, 8)), axis=1)
+    v = tl.sum(tl.reshape(v, (LEAD, 2, 4)), axis=1)
+    v = tl.sum(tl.reshape(v, (LEAD, 2, 2)), axis=1)
+    return tl.sum(v, axis=1)
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:  # CUDA's expf, what torch's kernel calls (tl.exp is ex2.approx-based: other bits)
+        return libdevice.exp(x)
+    return tl.exp(x)  # the interpreter (numpy's exp; it has no libdevice)
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    return tl.log(x)
+
+
+@triton.jit
+def _stats_kernel(x_ptr, tgt_ptr, lp_ptr, max_ptr, logsum_ptr, V, N_MAIN, stride_row,
+                  HAS_TGT: tl.constexpr, N_TAIL: tl.constexpr, LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_row
+    chunk = tl.arange(0, 4096)
+    # pass 1: the row's max (exact in any order)
+    mx = tl.full((4096,), float("-inf"), tl.float32)
+    for off in range(0, V, 4096):
+        mx = tl.maximum(mx, tl.load(base + off + chunk, mask=off + chunk < V, other=float("-inf")))
+    m = tl.max(mx, axis=0)
+    # pass 2: exp-sums per torch thread t = 32 * warp + lane, in torch's order
+    t = tl.arange(0, WARP)[:, None] * WARP + tl.arange(0, WARP)[None, :]  # [32, 32]
+    acc = tl.zeros((WARP, WARP), tl.float32)
+    for k in range(N_MAIN):
+        # thread t's float4 of this round, one 16-byte load, split into its 4 columns j = 2p + q
+        g = tl.load(base + ((k * THREADS + t) * ILP)[:, :, None] + tl.arange(0, ILP)[None, None, :])
+        even, odd = tl.split(tl.reshape(g, (WARP, WARP, 2, 2)))  # q = 0: j = 0, 2; q = 1: j = 1, 3
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = acc + _exp(x0 - m, LIBDEVICE)
+        acc = acc + _exp(x1 - m, LIBDEVICE)
+        acc = acc + _exp(x2 - m, LIBDEVICE)
+        acc = acc + _exp(x3 - m, LIBDEVICE)
+    for j in tl.static_range(N_TAIL):  # the columns past the last full 4096: one per thread per round
+        col = N_MAIN * THREADS * ILP + j * THREADS + t
+        acc = tl.where(col < V, acc + _exp(tl.load(base + col, mask=col < V, other=0.0) - m, LIBDEVICE), acc)
+    total = _tree32(tl.reshape(_tree32(acc, WARP), (1, WARP)), 1)
+    logsum = _log(tl.sum(total, axis=0), LIBDEVICE)
+    tl.store(max_ptr + row, m)
+    tl.store(logsum_ptr + row, logsum)
+    if HAS_TGT:
+        xt = tl.load(base + tl.load(tgt_ptr + row))
+        tl.store(lp_ptr + row, (xt - m) - logsum)
+
+
+def replicates(x_TV: torch.Tensor) -> bool:
+    """Whether ``log_softmax_stats`` follows torch's order for these logits: fp32 rows of ``MIN_V``+ columns,
+    unit stride, every row starting 16-byte aligned (torch takes another order for a misaligned row start)."""
+    return (x_TV.dim() == 2 and x_TV.dtype == torch.float32 and x_TV.shape[1] >= MIN_V and x_TV.stride(1) == 1
+            and x_TV.data_ptr() % 16 == 0 and (x_TV.stride(0) * 4) % 16 == 0)
+
+
+def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(lp [T] at targets or None, max [T], logsum [T])``, fp32, such that ``(x - max) - logsum`` is
+    ``torch.log_softmax(x, -1)`` bit for bit (where ``replicates(x)``; else a ``ValueError``)."""
+    if not replicates(x_TV):
+        raise ValueError(f"logits [T, V>={MIN_V}] fp32 with aligned unit-stride rows needed; got {x_TV.dtype} "
+                         f"{tuple(x_TV.shape)} strides {x_TV.stride()}")
+    T, V = x_TV.shape
+    if targets_T is not None and targets_T.shape != (T,):
+        raise ValueError(f"targets must be [T={T}]; got {tuple(targets_T.shape)}")
+    mx = torch.empty(T, dtype=torch.float32, device=x_TV.device)
+    logsum = torch.empty_like(mx)
+    lp = torch.empty_like(mx) if targets_T is not None else None
+    if T:
+        last = V % (THREADS * ILP)
+        tgt = targets_T.contiguous() if targets_T is not None else mx
+        _stats_kernel[(T,)](x_TV, tgt, lp if lp is not None else mx, mx, logsum, V, (V - last) // (THREADS * ILP),
+                            x_TV.stride(0), HAS_TGT=targets_T is not None, N_TAIL=triton.cdiv(last, THREADS),
+                            LIBDEVICE=x_TV.is_cuda, num_warps=8, **_EXACT if x_TV.is_cuda else {})
+    return lp, mx, logsum
+
+
+def log_softmax_stats_reference(x_TV: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp,
+                                log: Callable[[torch.Tensor], torch.Tensor] = torch.log
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max [T], logsum [T])`` in torch's CUDA summation order (module docstring), in plain PyTorch.
+    ``exp`` / ``log``: the elementwise functions (the interpreter's, to compare with the kernel on CPU)."""
+    T, V = x_TV.shape
+    x = x_TV.float()
+    m = x.max(dim=1).values
+    last = V % (THREADS * ILP)
+    main = x[:, : V - last].reshape(T, -1, THREADS, ILP)
+    acc = torch.zeros(T, THREADS, dtype=torch.float32, device=x.device)
+    for k in range(main.shape[1]):
+        for j in range(ILP):
+            acc = acc + exp(main[:, k, :, j] - m[:, None])
+    for j0 in range(V - last, V, THREADS):
+        n = min(THREADS, V - j0)
+        acc[:, :n] = acc[:, :n] + exp(x[:, j0: j0 + n] - m[:, None])
+
+    def tree(v: torch.Tensor) -> torch.Tensor:  # [..., 32] -> [...], shuffle-down order
+        while v.shape[-1] > 1:
+            h = v.shape[-1] // 2
+            v = v[..., :h] + v[..., h:]
+        return v[..., 0]
+
+    return m, log(tree(tree(acc.reshape(T, WARP, WARP))))

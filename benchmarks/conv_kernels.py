@@ -119,7 +119,7 @@ def main() -> int:
     rows.append({"variant": "forward (shipped)", **timing["forward (shipped)"]})
     results["rows"] = rows
     best = min(candidates, key=lambda n: timing[n]["ms"])
-    results["best"] = {"variant": best, **candidates[best], "ms": timing[best]["ms"], "speedup_vs_shipped": base / timing[best]["ms"]}
+    results["best"] = {"name": best, **candidates[best], "ms": timing[best]["ms"], "speedup_vs_shipped": base / timing[best]["ms"]}
     print(f"SUMMARY conv_kernels  {env.get('gpu') or env.get('device')}  T={T} C={C} W={W} bf16")
     print(fmt_table(rows, [("variant", "variant", "s"), ("ms_r1", "r1 ms", ".3f"), ("ms_r2", "r2 ms", ".3f"),
                            ("speedup_vs_shipped", "x shipped", ".2f"), ("dx_equal", "dx =", ""),

@@ -3,7 +3,7 @@
 # (estimated 6-7 min on an H100 with a cold Triton cache; the per-script timeouts below cap it at 550 s; pass timeout_s=600).
 #
 #   device run:  bash benchmarks/run_issue8.sh            carry: [".whl"]  (fla-core wheel, if fla is not installed there)
-#   stages:      bash benchmarks/run_issue8.sh gemm gdn   (any of: gemm gdn rec conv gemms step inf; default gemm gdn step inf)
+#   stages:      bash benchmarks/run_issue8.sh gemm gdn   (any of: gemm gdn rec conv gemms lse step inf; default gemm gdn step inf)
 #
 # Writes $OUT/<name>.log and $OUT/<name>.json for each stage (8 files: the most a device call returns) and
 # prints each SUMMARY block plus a recap of the headline ratios at the end (the reply keeps the tail).
@@ -67,9 +67,10 @@ for s in $stages; do
         # conv: the fastest checked launch becomes this GPU's table entry, so a later stage of the same call (step) runs it
         conv) run_stage conv_kernels 150 benchmarks/conv_kernels.py --table-out titan_rl_ext/kernels/conv_bwd_tables.json ;;
         gemms) run_stage step_gemms 150 benchmarks/step_gemms.py ;;
+        lse)  run_stage head_lse 90 benchmarks/head_lse.py ;;
         step) run_stage bi_trainer_step 240 benchmarks/bi_trainer_step.py --profile --budget-s 150 ;;
         inf)  run_stage bi_inference 150 benchmarks/bi_inference.py --batches 1,32,256 --decode-ctx 512 --decode-reps 5 --max-s 6 ;;
-        *) echo "unknown stage $s (gemm gdn rec conv gemms step inf)" ;;
+        *) echo "unknown stage $s (gemm gdn rec conv gemms lse step inf)" ;;
     esac
 done
 
@@ -100,6 +101,19 @@ r = load("gdn_recurrent")
 if r and r.get("best_titan"):
     print(f"gdn rec  best {r['best_titan']}; speed-up over fla_rec: " + ", ".join(
         f"{w} {v:.2f}x" for w, v in r.get("vs_fla_rec", {}).items()))
+c = load("conv_kernels")
+if c and c.get("best"):
+    print(f"conv     best {c['best']['name']} {c['best']['ms']:.3f} ms, {c['best']['speedup_vs_shipped']:.2f}x shipped; "
+          f"table entry {c.get('table_entry')}")
+h = load("head_lse")
+if h and h.get("best"):
+    print(f"head lse {h['best']['variant']} {h['best']['ms']:.3f} ms, {h['best']['speedup_vs_torch']:.2f}x torch.log_softmax; "
+          f"bits: " + ", ".join(f"{r['variant']} {r['bits_equal_torch']}" for r in h["rows"]))
+q = load("step_gemms")
+if q:
+    print("gemms    " + "; ".join(f"{m}: alone {v['gemm_ms_alone']:.1f} ms vs {v['gemm_floor_ms']:.1f} at peak, "
+                                  f"layouts -{v['layout_gain_ms']:.1f} ms, {v['n_host_reads']} host reads"
+                                  for m, v in q["modes"].items()))
 i = load("bi_inference")
 if i and "ratios" in i:
     print("infer    BI/non-BI throughput: " + "; ".join(f"{r['phase']} B={r['B']} {r['ratio']:.3f}" for r in i["ratios"]))

@@ -109,10 +109,11 @@ def replicates(x_TV: torch.Tensor) -> bool:
             and x_TV.data_ptr() % 16 == 0 and (x_TV.stride(0) * 4) % 16 == 0)
 
 
-def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None
+def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None, *, num_warps: int = 16
                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(lp [T] at targets or None, max [T], logsum [T])``, fp32, such that ``(x - max) - logsum`` is
-    ``torch.log_softmax(x, -1)`` bit for bit (where ``replicates(x)``; else a ``ValueError``)."""
+    ``torch.log_softmax(x, -1)`` bit for bit (where ``replicates(x)``; else a ``ValueError``). ``num_warps``
+    changes the speed only (the order is fixed by the kernel's index arithmetic; ``benchmarks/head_lse.py``)."""
     if not replicates(x_TV):
         raise ValueError(f"logits [T, V>={MIN_V}] fp32 with aligned unit-stride rows needed; got {x_TV.dtype} "
                          f"{tuple(x_TV.shape)} strides {x_TV.stride()}")
@@ -127,7 +128,7 @@ def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None
         tgt = targets_T.contiguous() if targets_T is not None else mx
         _stats_kernel[(T,)](x_TV, tgt, lp if lp is not None else mx, mx, logsum, V, (V - last) // (THREADS * ILP),
                             x_TV.stride(0), HAS_TGT=targets_T is not None, N_TAIL=triton.cdiv(last, THREADS),
-                            LIBDEVICE=x_TV.is_cuda, num_warps=8, **_EXACT if x_TV.is_cuda else {})
+                            LIBDEVICE=x_TV.is_cuda, num_warps=num_warps, **_EXACT if x_TV.is_cuda else {})
     return lp, mx, logsum
 
 

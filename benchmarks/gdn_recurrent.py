@@ -13,7 +13,8 @@ v/beta bf16, g fp32):
 Variants:
   fla_rec     FLA fused_recurrent (BV 8, one warp)   -- what BI runs today (TITAN_GDN_RECURRENT=fla)
   fla_chunk   FLA chunk                               -- the non-BI forward, the speed to aim at
-  titan[...]  kernels.gdn_triton at each config: BV, warps, merged step (m) or FLA's order (s), prefetch (p)
+  titan[...]  kernels.gdn_triton at each config: BV, warps, merged step (m) or FLA's order (s), tokens loaded
+              ahead (p: one, pp: two)
   titan_prep  the default config with the l2norm and gates fused in (raw q/k/a/b), against
               rows.l2norm x2 + rows.gdn_gates + the kernel (titan_unfused), one layer's preparation included
   fla_gather / titan_gather / titan_slots  (workloads with states) the call as the vLLM wrapper makes it, from an
@@ -23,7 +24,7 @@ Variants:
 Checks, each titan config on the GPU (a config whose bits break is reported and not a candidate):
   split_decode_equal   one 300-token call == a 100/150 split prefill + 50 one-token decode calls (o and state)
   alone_equal          a sequence alone == its rows in the packed train batch
-  prefetch_equal       prefetch on == off (same arithmetic)
+  prefetch_equal       this prefetch depth == no prefetch (same arithmetic)
   max_err_vs_f64       |o - o_f64| max over the train batch, f64 = the torch chunked form in float64
                        (FLA's recurrent reported beside it)
 Throughput floor: the state is read and written once per sequence; the inputs once per token -- at the train
@@ -102,14 +103,16 @@ def configs(smoke: bool) -> list[Any]:
 
     if smoke:
         return [CONFIG, RecurrentConfig(merged=False), RecurrentConfig(BV=4, prefetch=False)]
-    grid = [RecurrentConfig(BV=8, num_warps=1, merged=m, prefetch=p) for m in (True, False) for p in (True, False)]
+    grid = [RecurrentConfig(BV=8, num_warps=1, merged=m, prefetch=p) for m in (True, False) for p in (1, 0)]
     grid += [RecurrentConfig(BV=bv, num_warps=w) for bv, w in ((4, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4),
                                                                 (8, 2), (64, 4), (128, 4))]
+    # two tokens ahead: whether the token chain waits on memory (session 29r; same bits by construction)
+    grid += [RecurrentConfig(BV=bv, num_warps=w, prefetch=2) for bv, w in ((8, 1), (16, 1), (32, 1), (32, 2))]
     return grid
 
 
 def name_of(cfg: Any) -> str:
-    return f"titan[bv{cfg.BV} w{cfg.num_warps} {'m' if cfg.merged else 's'}{'p' if cfg.prefetch else ''}]"
+    return f"titan[bv{cfg.BV} w{cfg.num_warps} {'m' if cfg.merged else 's'}{'p' * int(cfg.prefetch)}]"
 
 
 def run_titan(x: dict[str, Any], cfg: Any, fused_prep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +149,7 @@ def bit_checks(cfg: Any, train: dict[str, Any], H: int, HV: int, K: int, V: int,
         o, state = rec(*args(a, b), one(b - a), x["scale"], state, config=cfg)
         outs.append(o)
     split_ok = torch.equal(torch.cat(outs), o_all) and torch.equal(state, s_all)
-    o_np, s_np = rec(*args(0, n), x["cu"], x["scale"], x["s0"], config=dataclasses.replace(cfg, prefetch=not cfg.prefetch))
+    o_np, s_np = rec(*args(0, n), x["cu"], x["scale"], x["s0"], config=dataclasses.replace(cfg, prefetch=0 if cfg.prefetch else 1))
     prefetch_ok = torch.equal(o_np, o_all) and torch.equal(s_np, s_all)
     o_pack, _ = run_titan(train, cfg)
     c = train["cu"].tolist()

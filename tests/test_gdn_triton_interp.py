@@ -6,7 +6,7 @@ in one call, the generator a prefill split anywhere and then one token per call 
 - one call == the same tokens split into calls at any points, state carried == one token per call;
 - a sequence alone == the same sequence packed among others, in any order, beside an empty one;
 - a strided head view of a wider buffer (how the layer hands q/k/v over) == a contiguous copy;
-- loading one token ahead (``prefetch``) changes when the inputs arrive, not the arithmetic.
+- loading tokens ahead (``prefetch`` 0, 1, 2) changes when the inputs arrive, not the arithmetic.
 What holds to a tolerance: the values against the reference -- fp32 outputs and states 2e-6 (the rearranged
 step rounds differently: ``(dS)^T k`` is computed as ``d (S^T k)``); bf16 outputs two bf16 ulps (the
 interpreter's fp32 -> bf16 cast truncates); the fused q/k norm and gates against ``kernels.rows``' references
@@ -93,9 +93,19 @@ def _check_splits_and_decode() -> None:
             outs.append(o)
         assert torch.equal(torch.cat(outs), o_all), cuts
         assert torch.equal(state, s_all), cuts
-    # prefetch on/off: the same arithmetic
-    o_np, s_np = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0, config=gt.RecurrentConfig(prefetch=False))
-    assert torch.equal(o_np, o_all) and torch.equal(s_np, s_all)
+    # prefetch off / one / two tokens ahead: the same arithmetic (the last also over one-token calls, where the
+    # tokens two ahead lie past the sequence)
+    for depth in (0, 2):
+        o_np, s_np = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0,
+                                                   config=gt.RecurrentConfig(prefetch=depth))
+        assert torch.equal(o_np, o_all) and torch.equal(s_np, s_all), depth
+    state, outs = s0, []
+    for a in range(11):
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        o, state = gt.gated_delta_rule_recurrent(q[a:a + 1], k[a:a + 1], v[a:a + 1], g[a:a + 1], beta[a:a + 1], one,
+                                                 scale, state, config=gt.RecurrentConfig(prefetch=2))
+        outs.append(o)
+    assert torch.equal(torch.cat(outs), o_all) and torch.equal(state, s_all)
 
 
 def _check_batch_invariance_and_views() -> None:

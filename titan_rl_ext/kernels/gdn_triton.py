@@ -15,8 +15,9 @@ the state block ``S [K, BV]`` in registers and
 
 which is the rule of ``kernels.gdn`` rearranged: ``(dS)^T k = d S^T k`` and ``(dS + k delta^T)^T q = d S^T
 q + (k . q) delta``. The arithmetic differs from the token-by-token reference by rounding only (tests
-state the tolerance). With ``PREFETCH`` the next token's q, k, v, g and beta are loaded before the current
-token is computed, so their latency hides behind one step of work.
+state the tolerance). With ``PREFETCH`` = n the q, k, v, g and beta of the token n steps ahead are loaded
+before the current token is computed, so their latency hides behind n steps of work (the loads return the
+same values whatever n: the bits do not depend on it).
 
 Batch invariance and prefill/decode bit equality: the per-token work depends on the constexprs (``BV``,
 ``BK``, ``num_warps``, the flags) and on nothing else: not T, not the number of sequences, not where a
@@ -50,7 +51,7 @@ class RecurrentConfig:
     # 4.1 ms vs 7.6 at BV 8 and 10.1 for FLA's recurrent kernel; decode B = 256 0.27 vs 0.37 and 0.44 ms)
     BV: int = 32
     num_warps: int = 1
-    prefetch: bool = True
+    prefetch: int = 1  # tokens loaded ahead of the one computed: 0, 1 or 2 (speed only)
     merged: bool = True  # the rearranged step above; False: FLA's order (decay, k^T S, write, S^T q)
 
 
@@ -67,6 +68,13 @@ def _gates(a, b, a_log, dt_bias, BETA_DTYPE: tl.constexpr):
     x = a + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (beta 1, threshold 20)
     return -tl.exp(a_log) * softplus, tl.sigmoid(b).to(BETA_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _load_token(p_q, p_k, p_v, p_g, p_b, t, sq_t, sk_t, sv_t, sg_t, sb_t, mask_k, mask_v):
+    """Token t's q, k, v, g and beta, as stored."""
+    return (tl.load(p_q + t * sq_t, mask=mask_k, other=0.0), tl.load(p_k + t * sk_t, mask=mask_k, other=0.0),
+            tl.load(p_v + t * sv_t, mask=mask_v, other=0.0), tl.load(p_g + t * sg_t), tl.load(p_b + t * sb_t))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -113,30 +121,28 @@ def _gdn_recurrent_kernel(
         a_log = tl.load(alog_ptr + i_hv).to(tl.float32)
         dt_bias = tl.load(dtb_ptr + i_hv).to(tl.float32)
 
-    # the next token's inputs, loaded one step ahead; the index is clamped into the sequence (the last
-    # step reloads its own row, an empty sequence a valid one) so no load needs a mask beyond the head's
-    if PREFETCH:
-        t0 = tl.minimum(bos, T - 1)
-        nq = tl.load(p_q + t0 * sq_t, mask=mask_k, other=0.0)
-        nk = tl.load(p_k + t0 * sk_t, mask=mask_k, other=0.0)
-        nv = tl.load(p_v + t0 * sv_t, mask=mask_v, other=0.0)
-        ng = tl.load(p_g + t0 * sg_t)
-        nb = tl.load(p_b + t0 * sb_t)
+    # the inputs of the tokens PREFETCH steps ahead, loaded before the current one is computed; indices are
+    # clamped into [0, T) and past a sequence's end onto its last row, so every load is in bounds and a
+    # token loaded beyond the end is never used
+    if PREFETCH >= 1:
+        nq, nk, nv, ng, nb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos, T - 1), sq_t, sk_t, sv_t, sg_t, sb_t,
+                                         mask_k, mask_v)
+    if PREFETCH >= 2:
+        mq, mk, mv, mg, mb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos + 1, T - 1), sq_t, sk_t, sv_t, sg_t,
+                                         sb_t, mask_k, mask_v)
     for t in range(bos, eos):
-        if PREFETCH:
+        if PREFETCH >= 2:
             b_q, b_k, b_v, b_g, b_b = nq, nk, nv, ng, nb
-            tn = tl.minimum(t + 1, eos - 1)
-            nq = tl.load(p_q + tn * sq_t, mask=mask_k, other=0.0)
-            nk = tl.load(p_k + tn * sk_t, mask=mask_k, other=0.0)
-            nv = tl.load(p_v + tn * sv_t, mask=mask_v, other=0.0)
-            ng = tl.load(p_g + tn * sg_t)
-            nb = tl.load(p_b + tn * sb_t)
+            nq, nk, nv, ng, nb = mq, mk, mv, mg, mb
+            mq, mk, mv, mg, mb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(t + 2, eos - 1), sq_t, sk_t, sv_t,
+                                             sg_t, sb_t, mask_k, mask_v)
+        elif PREFETCH == 1:
+            b_q, b_k, b_v, b_g, b_b = nq, nk, nv, ng, nb
+            nq, nk, nv, ng, nb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(t + 1, eos - 1), sq_t, sk_t, sv_t,
+                                             sg_t, sb_t, mask_k, mask_v)
         else:
-            b_q = tl.load(p_q + t * sq_t, mask=mask_k, other=0.0)
-            b_k = tl.load(p_k + t * sk_t, mask=mask_k, other=0.0)
-            b_v = tl.load(p_v + t * sv_t, mask=mask_v, other=0.0)
-            b_g = tl.load(p_g + t * sg_t)
-            b_b = tl.load(p_b + t * sb_t)
+            b_q, b_k, b_v, b_g, b_b = _load_token(p_q, p_k, p_v, p_g, p_b, t, sq_t, sk_t, sv_t, sg_t, sb_t, mask_k,
+                                                  mask_v)
         q = b_q.to(tl.float32)
         k = b_k.to(tl.float32)
         v = b_v.to(tl.float32)
@@ -266,7 +272,7 @@ def gated_delta_rule_recurrent(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         NORM_QK=norm_qk, GATES=gates, BETA_DTYPE=_TL_DTYPES[beta_TH.dtype],
         SLOTS=state_slots is not None, KEEP=state_keep is not None,
-        MERGED=cfg.merged, PREFETCH=cfg.prefetch,
+        MERGED=cfg.merged, PREFETCH=int(cfg.prefetch),
         num_warps=cfg.num_warps,
     )
     return o, final

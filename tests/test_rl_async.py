@@ -292,3 +292,46 @@ def test_metrics_jsonl_tensorboard_and_plots(tmp_path: Path) -> None:
     for name in ("gap.png", "reward.png", "throughput.png", "staleness.png"):
         png = tmp_path / "plots" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_phase_timer_host_and_device_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per phase: host seconds between marks; on CUDA also the stream's seconds between the boundary events
+    (read after waiting for the last one). A fake event stands in for CUDA's: it records a device clock."""
+    from titan_rl_ext.rl import phase_timer as pt
+
+    clock = {"t": 0.0}
+
+    class FakeEvent:
+        waited: list[float] = []
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.at = None
+
+        def record(self) -> None:
+            self.at = clock["t"]
+
+        def synchronize(self) -> None:
+            FakeEvent.waited.append(self.at)
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            return (end.at - self.at) * 1e3  # ms, as CUDA's
+
+    cpu = pt.PhaseTimer("cpu")
+    with pytest.raises(RuntimeError, match="before start"):
+        cpu.mark("x")
+    cpu.start()
+    cpu.mark("a")
+    cpu.mark("b")
+    m = cpu.metrics()
+    assert set(m) == {"perf/trainer/a/host_s", "perf/trainer/b/host_s"} and all(v >= 0 for v in m.values())
+    monkeypatch.setattr(pt.torch.cuda, "Event", FakeEvent)
+    gpu = pt.PhaseTimer("cuda")
+    gpu.start()
+    clock["t"] = 0.25
+    gpu.mark("fwd_bwd")
+    clock["t"] = 1.0
+    gpu.mark("optim")
+    m = gpu.metrics()
+    assert m["perf/trainer/fwd_bwd/device_s"] == pytest.approx(0.25) and m["perf/trainer/optim/device_s"] == pytest.approx(0.75)
+    assert FakeEvent.waited == [1.0] and "perf/trainer/optim/host_s" in m

@@ -123,6 +123,9 @@ def test_rl_train_end_to_end_bitwise_push_and_resume(tmp_path: Path) -> None:
             full_s = ntok / r["perf/trainer/tokens_per_second_full_step"]
             parts = [r[f"perf/trainer/{k}"] for k in ("between_steps_s", "wait_s", "step_s")] + [r["swap/latency_s"]]
             assert sum(parts) <= full_s * (1 + 1e-9) and (r["perf/trainer/between_steps_s"] > 0) == (r["step"] > 1), (r, full_s)
+            # the train step's phases (host time on CPU; device time too on CUDA) fit in the step
+            steps = [r[f"perf/trainer/{p}/host_s"] for p in ("fwd_bwd", "parity", "optim")]
+            assert all(x > 0 for x in steps) and sum(steps) <= r["perf/trainer/step_s"], r
         for rec in rolls:
             samples = [s for g in rec["groups"] for s in g["samples"]]
             assert len(samples) == 4 * 8

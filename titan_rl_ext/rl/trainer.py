@@ -65,6 +65,7 @@ from torchtitan.trainer import Trainer
 from titan_rl_ext.rl.config import LOSSES, RLConfig, config_dict
 from titan_rl_ext.rl.generator_link import GeneratorLink
 from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, load_eval_items, load_prompts
+from titan_rl_ext.rl.phase_timer import PhaseTimer
 from titan_rl_ext.rl.rollout_service import RolloutService
 from titan_rl_ext.rl.stale_gap import StaleGap
 
@@ -149,6 +150,7 @@ class RLTrainer(Trainer):
         self._link: GeneratorLink | None = None  # rank 0: the generators (spawned server, pusher, fleet)
         self._service: RolloutService | None = None
         self._t_prev_end: float | None = None  # the last step's end (perf/trainer/tokens_per_second_full_step)
+        self._phases = PhaseTimer(self.device)  # perf/trainer/<phase>/{host,device}_s
         self._stale = StaleGap(rl.stale_gap_versions, rl.model_dir, rl.stale_gap_device)  # bit_wise_stale/*
         self._eval_items: list[Any] = []
         self._mlog: Any = None
@@ -335,9 +337,13 @@ class RLTrainer(Trainer):
         t = [time.perf_counter()]
         ro = self._take_rollouts()
         t.append(time.perf_counter())
+        self._phases.start()
         packed, lp_re_T, loss, lmetrics = self._forward_backward(ro)
+        self._phases.mark("fwd_bwd")
         bw = self._parity_metrics(ro, packed, lp_re_T)
+        self._phases.mark("parity")
         grad_norm, lr_metrics = self._optimizer_step(ro)
+        self._phases.mark("optim")
         t.append(time.perf_counter())
         push_m = self._push_and_publish()
         t.append(time.perf_counter())
@@ -487,6 +493,7 @@ class RLTrainer(Trainer):
             M.TRAINER_BETWEEN_S: t_start - t_prev,
             M.TRAINER_WAIT_S: t_taken - t_start,
             M.TRAINER_STEP_S: t_trained - t_taken,
+            **self._phases.metrics(),  # the step's phases: fwd_bwd, parity (incl. the stale-gap recompute), optim
             M.TOKENS_PER_SECOND_FULL_STEP: ntok / max(t_end - t_prev, 1e-9),
             "perf/trainer/tokens_per_second_train": ntok / max(t_trained - t_taken, 1e-9),
             **{f"lr/{k}": float(v) for k, v in lr_metrics.items()},

@@ -289,3 +289,6 @@ def test_rl_gpu_recipe_at_toy_size(tmp_path: Path) -> None:
     # an arm not run is null (valid JSON), not NaN; each arm says where its full step went
     assert summary["native_full_step_tok_s"] is None and summary["ratio_bi_over_nonbi"] is None
     assert summary["arms"]["titan_bi"]["train_s_median"] > 0 and summary["arms"]["titan_bi"]["wait_s_median"] >= 0
+    # and where its train step went (host seconds on CPU; no device seconds without CUDA)
+    bi_arm = summary["arms"]["titan_bi"]
+    assert 0 < bi_arm["fwd_bwd_host_s_median"] <= bi_arm["train_s_median"] and bi_arm["fwd_bwd_device_s_median"] is None

@@ -51,6 +51,9 @@ def arm_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "between_s_median": _median_after_first(records, M.TRAINER_BETWEEN_S),
         "wait_s_median": _median_after_first(records, M.TRAINER_WAIT_S),
         "train_s_median": _median_after_first(records, M.TRAINER_STEP_S),
+        # the train step's phases (rl/phase_timer.py; absent in runs before it): host vs device seconds each
+        **{f"{phase}_{side}_s_median": _median_after_first(records, f"perf/trainer/{phase}/{side}_s")
+           for phase in ("fwd_bwd", "parity", "optim") for side in ("host", "device")},
         "reward_first5": _mean(rewards[:5]),
         "reward_last5": _mean(rewards[-5:]),
     }

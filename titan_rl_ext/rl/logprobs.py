@@ -26,17 +26,17 @@ def token_logprobs(model: Decoder, tokens_T: torch.Tensor, batch: SeqBatch, fp32
     ``Decoder.packed_token_logprobs``: bit for bit ``log_softmax(fp32 logits)[token]``, without a
     ``[T, V]`` tensor."""
     T = tokens_T.shape[0]
-    out = torch.full((T,), float("nan"), dtype=torch.float32, device=tokens_T.device)
+    nan_T = torch.full((T,), float("nan"), dtype=torch.float32, device=tokens_T.device)
     if T == 0:
-        return out
-    # position t is predicted by the logits at t-1 of the same sequence
+        return nan_T
+    # position t is predicted by the logits at t-1 of the same sequence; the first of each has none. Selected
+    # by where/roll rather than boolean indexing: nothing sized by the data, so no host sync in the step
     is_first = torch.zeros(T, dtype=torch.bool, device=tokens_T.device)
     is_first[batch.cu_seqlens[:-1].long().clamp(max=T - 1)] = True
-    has_prev = ~is_first
-    idx = (torch.arange(T, device=tokens_T.device) - 1)[has_prev]
+    targets_T = tokens_T.roll(-1)  # row t scores the token after it; rows ending a sequence are unused
     if fp32_head:
-        targets_T = tokens_T.roll(-1)  # row t scores the token after it; rows ending a sequence are unused
         lp_rows = model.packed_token_logprobs(tokens_T, batch, targets_T)
-        return out.index_put((has_prev.nonzero().flatten(),), lp_rows[idx])
-    lp_TV = logprobs_from_logits(model.packed_logits(tokens_T, batch, fp32=False))
-    return out.index_put((has_prev.nonzero().flatten(),), lp_TV[idx, tokens_T[has_prev]])
+    else:
+        lp_TV = logprobs_from_logits(model.packed_logits(tokens_T, batch, fp32=False))
+        lp_rows = lp_TV.gather(1, targets_T[:, None]).squeeze(1)
+    return torch.where(is_first, nan_T, lp_rows.roll(1))

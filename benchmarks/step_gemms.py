@@ -213,7 +213,7 @@ def time_call(timer: Timer, fn: Callable[[], Any], reps: int) -> float:
 
 
 def analyse(log: StepLog, dev: torch.device, timer: Timer, peak_tflops: float, reps: int,
-            variants: bool) -> list[dict[str, Any]]:
+            variants: bool, variants_min_ms: float = 0.0) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for call in log.gemms.values():
@@ -231,7 +231,7 @@ def analyse(log: StepLog, dev: torch.device, timer: Timer, peak_tflops: float, r
             "ms_each": ms, "ms_total": ms * call.count, "tflops": flops / ms / 1e9,
             "excess_ms": (ms - flops / (peak_tflops * 1e9)) * call.count,
         }
-        if variants:
+        if variants and ms * call.count >= variants_min_ms:
             alt = {name: time_call(timer, fn, reps) for name, fn in layout_variants(call, dev, gen).items()}
             if alt:
                 best = min(alt, key=alt.__getitem__)
@@ -254,7 +254,9 @@ def main() -> int:
     ap = base_parser(__doc__, "toy-width slice, 152 tokens: CPU check")
     add_slice_args(ap)
     ap.add_argument("--modes", default="nonbi,bi", help="nonbi and/or bi")
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per GEMM")
+    ap.add_argument("--reps", type=int, default=6, help="timed calls per GEMM")
+    ap.add_argument("--layouts-min-ms", type=float, default=0.3,
+                    help="time the other layouts only of GEMMs whose calls take this long in all (ms)")
     ap.add_argument("--no-layouts", action="store_true", help="skip the other-layout timings")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -285,7 +287,7 @@ def main() -> int:
             with log:
                 step()
             sync(dev)
-        rows = analyse(log, dev, timer, peak, args.reps, not args.no_layouts)
+        rows = analyse(log, dev, timer, peak, args.reps, not args.no_layouts, 0.0 if args.smoke else args.layouts_min_ms)
         total = sum(r["ms_total"] for r in rows)
         floor = sum(r["ms_total"] - r["excess_ms"] for r in rows)
         gain = sum(max(r.get("layout_gain_ms", 0.0), 0.0) for r in rows)

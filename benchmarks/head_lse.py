@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it als
 from bench_common import Timer, add_timing_args, base_parser, environment, fmt_table, json_saver  # noqa: E402
 from bench_common import print_header, resolve_device, two_rounds  # noqa: E402
 
-from titan_rl_ext.kernels.log_softmax_triton import MIN_V, log_softmax_stats  # noqa: E402
+from titan_rl_ext.kernels.log_softmax import MIN_V  # noqa: E402
+from titan_rl_ext.kernels.log_softmax_triton import log_softmax_stats  # noqa: E402
 
 HBM_TB_S = 4.3
 

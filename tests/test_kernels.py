@@ -194,3 +194,21 @@ def test_conv_backward_launch_table(tmp_path, monkeypatch) -> None:
             ct.bwd_config_for("GPU B")
     finally:
         ct._bwd_table.cache_clear()
+
+
+def test_log_softmax_order_reference_counts_each_column_once() -> None:
+    """The plain-PyTorch emulation of torch's CUDA log-softmax order (``kernels.log_softmax``): with an "exp" of 1
+    everywhere its sum counts the columns, so every column enters exactly once, tail rounds included; with the
+    real exp it is torch's log-softmax to fp32 rounding (the CPU kernel sums in another order); and which logits
+    the order holds for."""
+    from titan_rl_ext.kernels.log_softmax import MIN_V, log_softmax_stats_reference, replicates
+
+    g = torch.Generator().manual_seed(0)
+    for V in (MIN_V, MIN_V + 4, 4096 * 5 + 2564):
+        x = torch.randn(3, V, generator=g) * 3
+        m, logsum = log_softmax_stats_reference(x, exp=torch.ones_like)
+        assert torch.equal(m, x.max(1).values) and torch.equal(logsum, torch.full((3,), float(V)).log())
+        m, logsum = log_softmax_stats_reference(x)
+        torch.testing.assert_close((x - m[:, None]) - logsum[:, None], x.log_softmax(-1), rtol=0, atol=1e-5)
+    assert replicates(torch.zeros(2, MIN_V)) and not replicates(torch.zeros(2, MIN_V - 4))
+    assert not replicates(torch.zeros(2, MIN_V + 4)[:, 1:]) and not replicates(torch.zeros(2, MIN_V, dtype=torch.float64))

@@ -90,7 +90,7 @@ def _lse_kernel_ok(logits: torch.Tensor) -> bool:
 
     if os.environ.get(HEAD_LSE_ENV, "") == "torch" or not fused_available(logits):
         return False
-    from titan_rl_ext.kernels.log_softmax_triton import replicates
+    from titan_rl_ext.kernels.log_softmax import replicates
 
     return replicates(logits) and _probe_agrees(logits.device, logits.shape[1])
 

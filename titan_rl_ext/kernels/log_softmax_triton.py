@@ -10,14 +10,9 @@ row, torch's ``max`` and ``logsum = log(sum(exp(x - max)))`` in torch's own summ
 have written: two reads of the logits, no ``[T, V]`` output. The backward rebuilds any row's log-softmax from
 the kept logits with the same epilogue (``lm_head_triton.head_grad``), so gradients keep their bits too.
 
-torch's order (``aten/src/ATen/native/cuda/SoftMax.cu``, the ``cunn_SoftMaxForward`` path taken for fp32 rows
-longer than its shared-memory variant holds, inner size 1): one block of 1024 threads per row; thread ``t``
-accumulates ``exp(x - max)`` in fp32, in order, over its float4 groups ``4 (t + 1024 k) + j`` (k ascending, j
-= 0..3) for the first ``V - V % 4096`` columns, then the columns ``V - V % 4096 + t + 1024 m``; the 1024 partial
-sums are reduced by a warp-shuffle tree (lane ``i`` adds lane ``i + 16``, then ``i + 8``, ..., within each of
-the 32 warps, then the same tree over the 32 warp sums). That holds for rows that start 16-byte aligned
-(``REPLICATES`` checks it) with ``V >= MIN_V``; ``log_softmax_stats_reference`` is the same order in plain
-PyTorch. ``exp`` / ``log`` are libdevice's ``expf`` / ``logf``, the functions nvcc compiles ``std::exp`` /
+The order is torch's (``kernels.log_softmax``: its description, ``replicates`` -- which logits it holds for --
+and ``log_softmax_stats_reference``, the same order in plain PyTorch); each "thread" of torch's block is a lane of
+a ``[32, 32]`` tile here. ``exp`` / ``log`` are libdevice's ``expf`` / ``logf``, what nvcc compiles ``std::exp`` /
 ``std::log`` to. Whether a given torch build still takes that path is not assumed: ``lm_head`` compares this
 kernel with ``torch.log_softmax`` on a probe the first time it runs on a device and keeps torch's kernel
 if any bit differs (``tests/gpu/test_bi_kernels_cuda.py`` compares them on many rows).
@@ -28,15 +23,13 @@ interpreter's ``exp`` (``tests/test_fused_triton_interp.py``).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-THREADS, ILP, WARP = 1024, 4, 32  # torch's block for rows of >= 1024 fp32, its float4 loads, the warp
-MIN_V = 16384  # below ~12 k fp32 columns torch caches the row in shared memory (another summation order)
+from titan_rl_ext.kernels.log_softmax import ILP, MIN_V, THREADS, WARP, replicates
+
 # nvcc's build of torch keeps denormals and contracts nothing here; Triton's defaults flush libdevice's denormals
 # (exp of a logit ~90 below the max is a denormal in torch, 0 otherwise) and fuse multiply-adds
 _EXACT = {"enable_reflect_ftz": False, "enable_fp_fusion": False}
@@ -102,13 +95,6 @@ def _stats_kernel(x_ptr, tgt_ptr, lp_ptr, max_ptr, logsum_ptr, V, N_MAIN, stride
         tl.store(lp_ptr + row, (xt - m) - logsum)
 
 
-def replicates(x_TV: torch.Tensor) -> bool:
-    """Whether ``log_softmax_stats`` follows torch's order for these logits: fp32 rows of ``MIN_V``+ columns,
-    unit stride, every row starting 16-byte aligned (torch takes another order for a misaligned row start)."""
-    return (x_TV.dim() == 2 and x_TV.dtype == torch.float32 and x_TV.shape[1] >= MIN_V and x_TV.stride(1) == 1
-            and x_TV.data_ptr() % 16 == 0 and (x_TV.stride(0) * 4) % 16 == 0)
-
-
 def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None, *, num_warps: int = 16
                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(lp [T] at targets or None, max [T], logsum [T])``, fp32, such that ``(x - max) - logsum`` is
@@ -130,30 +116,3 @@ def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None,
                             x_TV.stride(0), HAS_TGT=targets_T is not None, N_TAIL=triton.cdiv(last, THREADS),
                             LIBDEVICE=x_TV.is_cuda, num_warps=num_warps, **_EXACT if x_TV.is_cuda else {})
     return lp, mx, logsum
-
-
-def log_softmax_stats_reference(x_TV: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp,
-                                log: Callable[[torch.Tensor], torch.Tensor] = torch.log
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(max [T], logsum [T])`` in torch's CUDA summation order (module docstring), in plain PyTorch.
-    ``exp`` / ``log``: the elementwise functions (the interpreter's, to compare with the kernel on CPU)."""
-    T, V = x_TV.shape
-    x = x_TV.float()
-    m = x.max(dim=1).values
-    last = V % (THREADS * ILP)
-    main = x[:, : V - last].reshape(T, -1, THREADS, ILP)
-    acc = torch.zeros(T, THREADS, dtype=torch.float32, device=x.device)
-    for k in range(main.shape[1]):
-        for j in range(ILP):
-            acc = acc + exp(main[:, k, :, j] - m[:, None])
-    for j0 in range(V - last, V, THREADS):
-        n = min(THREADS, V - j0)
-        acc[:, :n] = acc[:, :n] + exp(x[:, j0: j0 + n] - m[:, None])
-
-    def tree(v: torch.Tensor) -> torch.Tensor:  # [..., 32] -> [...], shuffle-down order
-        while v.shape[-1] > 1:
-            h = v.shape[-1] // 2
-            v = v[..., :h] + v[..., h:]
-        return v[..., 0]
-
-    return m, log(tree(tree(acc.reshape(T, WARP, WARP))))

@@ -100,3 +100,17 @@ def test_token_logprobs_equal_the_unfused_formula_bit_for_bit() -> None:
             assert torch.isnan(lp[t])
         else:
             assert torch.equal(lp[t], lp_TV[t - 1, toks[t]]), t
+
+
+def test_chunks_are_balanced_tile_aligned_and_within_the_cap() -> None:
+    """The head's row chunks cover [0, T) in order, none above ``chunk_rows``, as few as that allows, balanced and
+    multiples of 128 rows where that fits (the 9B head at T = 8192: two of 4096, not 4323 + 3869)."""
+    V = 248320
+    cap = lm_head.chunk_rows(V)
+    assert lm_head.chunk_bounds(8192, V) == [(0, 4096), (4096, 8192)]
+    assert lm_head.chunk_bounds(9000, V) == [(0, 3072), (3072, 6144), (6144, 9000)]
+    assert lm_head.chunk_bounds(100, V) == [(0, 100)] and lm_head.chunk_bounds(0, V) == []
+    for T in (1, 127, 4323, 4324, 20000, 65537):
+        b = lm_head.chunk_bounds(T, V)
+        assert b[0][0] == 0 and b[-1][1] == T and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert all(0 < r1 - r0 <= cap for r0, r1 in b) and len(b) == -(-T // cap)

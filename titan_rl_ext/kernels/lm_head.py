@@ -126,7 +126,20 @@ def _rows_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def chunk_rows(V: int) -> int:
+    """The most rows of fp32 logits a chunk holds (``CHUNK_BYTES``)."""
     return max(1, CHUNK_BYTES // (4 * max(V, 1)))
+
+
+def chunk_bounds(T: int, V: int) -> list[tuple[int, int]]:
+    """Row ranges of the head's chunks: as few as ``chunk_rows`` allows, balanced, each a multiple of 128 rows where
+    that fits (the 9B slice's T = 8192: 2 x 4096, not 4323 + 3869 -- ragged GEMM tiles in every head GEMM)."""
+    if T <= 0:
+        return []
+    cap = chunk_rows(V)
+    per = -(-T // -(-T // cap))
+    if per > 128:
+        per = min(cap, -(-per // 128) * 128)
+    return [(r0, min(T, r0 + per)) for r0 in range(0, T, per)]
 
 
 def head_grad_reference(lp_TV: torch.Tensor, g_T: torch.Tensor, tgt_T: torch.Tensor, out_dtype: torch.dtype,
@@ -162,12 +175,10 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, h_TD, w_VD, targets_T, keep):  # type: ignore[no-untyped-def]
         T, V = h_TD.shape[0], w_VD.shape[0]
         out = torch.empty(T, dtype=torch.float32, device=h_TD.device)
-        step = chunk_rows(V)
         kept: list[Rows] = []  # the first chunks' logits or log-softmax, within SAVE_BYTES (only for a backward)
-        for r0 in range(0, T, step):
-            r1 = min(T, r0 + step)
+        for i, (r0, r1) in enumerate(chunk_bounds(T, V)):
             out[r0:r1], rows = _rows_of(head_logits_fp32(h_TD[r0:r1], w_VD), targets_T[r0:r1])
-            if keep and (len(kept) + 1) * step * V * 4 <= SAVE_BYTES and len(kept) * step == r0:
+            if keep and i == len(kept) and r1 * V * 4 <= SAVE_BYTES:
                 kept.append(rows)
             del rows
         ctx.save_for_backward(h_TD, w_VD, targets_T)
@@ -190,9 +201,7 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_TV = torch.empty(T, V, dtype=grad_dtype, device=h.device) if whole else None
         dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w and not whole else None
         g_T = g_T.float()
-        step = chunk_rows(V)
-        for i, r0 in enumerate(range(0, T, step)):
-            r1 = min(T, r0 + step)
+        for i, (r0, r1) in enumerate(chunk_bounds(T, V)):
             h_c, g_c = h[r0:r1], g_T[r0:r1]
             if i < len(kept):  # what the forward kept: no second logits GEMM
                 rows, kept[i] = kept[i], None  # type: ignore[call-overload]

@@ -114,3 +114,36 @@ def test_chunks_are_balanced_tile_aligned_and_within_the_cap() -> None:
         b = lm_head.chunk_bounds(T, V)
         assert b[0][0] == 0 and b[-1][1] == T and all(x[1] == y[0] for x, y in zip(b, b[1:]))
         assert all(0 < r1 - r0 <= cap for r0, r1 in b) and len(b) == -(-T // cap)
+
+
+def test_probe_falls_back_to_torch_when_the_kernel_fails_or_differs(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """The statistics kernel stands in for torch's log-softmax only where a probe agrees bit for bit: a kernel
+    that raises (a Triton that cannot build it) or that rounds one value differently leaves torch's kernel on.
+    Here "torch's" log-softmax is the reference's (x - max) - logsum, and the fake kernels return those."""
+    from titan_rl_ext.kernels import log_softmax_triton as lst
+    from titan_rl_ext.kernels.log_softmax import MIN_V, log_softmax_stats_reference
+
+    def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return log_softmax_stats_reference(x)
+
+    monkeypatch.setattr(lm_head, "torch_log_softmax", lambda x: (x - stats(x)[0][:, None]) - stats(x)[1][:, None])
+
+    def exact(x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[None, torch.Tensor, torch.Tensor]:
+        return None, *stats(x)
+
+    def off_by_one_ulp(x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[None, torch.Tensor, torch.Tensor]:
+        m, logsum = stats(x)
+        return None, m, torch.nextafter(logsum, torch.full_like(logsum, float("inf")))
+
+    def broken(x: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        raise RuntimeError("PassManager::run failed")
+
+    try:
+        for fn, want in ((exact, True), (off_by_one_ulp, False), (broken, False)):
+            lm_head._probe_agrees.cache_clear()
+            monkeypatch.setattr(lst, "log_softmax_stats", fn)
+            assert lm_head._probe_agrees(torch.device("cpu"), MIN_V) is want, fn.__name__
+    finally:
+        lm_head._probe_agrees.cache_clear()
+    assert "failed" in caplog.text and "differs" in caplog.text

@@ -61,7 +61,10 @@ def _log(x, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(x_ptr, tgt_ptr, lp_ptr, max_ptr, logsum_ptr, V, N_MAIN, stride_row,
-                  HAS_TGT: tl.constexpr, N_TAIL: tl.constexpr, LIBDEVICE: tl.constexpr):
+                  HAS_TGT: tl.constexpr, N_TAIL: tl.constexpr, LIBDEVICE: tl.constexpr,
+                  _THREADS: tl.constexpr, _ILP: tl.constexpr, _WARP: tl.constexpr):
+    # _THREADS, _ILP, _WARP: torch's launch (``kernels.log_softmax``), parameters because a jitted function
+    # reads no plain global
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     chunk = tl.arange(0, 4096)
@@ -71,12 +74,12 @@ def _stats_kernel(x_ptr, tgt_ptr, lp_ptr, max_ptr, logsum_ptr, V, N_MAIN, stride
         mx = tl.maximum(mx, tl.load(base + off + chunk, mask=off + chunk < V, other=float("-inf")))
     m = tl.max(mx, axis=0)
     # pass 2: exp-sums per torch thread t = 32 * warp + lane, in torch's order
-    t = tl.arange(0, WARP)[:, None] * WARP + tl.arange(0, WARP)[None, :]  # [32, 32]
-    acc = tl.zeros((WARP, WARP), tl.float32)
+    t = tl.arange(0, _WARP)[:, None] * _WARP + tl.arange(0, _WARP)[None, :]  # [32, 32]
+    acc = tl.zeros((_WARP, _WARP), tl.float32)
     for k in range(N_MAIN):
         # thread t's float4 of this round, one 16-byte load, split into its 4 columns j = 2p + q
-        g = tl.load(base + ((k * THREADS + t) * ILP)[:, :, None] + tl.arange(0, ILP)[None, None, :])
-        even, odd = tl.split(tl.reshape(g, (WARP, WARP, 2, 2)))  # q = 0: j = 0, 2; q = 1: j = 1, 3
+        g = tl.load(base + ((k * _THREADS + t) * _ILP)[:, :, None] + tl.arange(0, _ILP)[None, None, :])
+        even, odd = tl.split(tl.reshape(g, (_WARP, _WARP, 2, 2)))  # q = 0: j = 0, 2; q = 1: j = 1, 3
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
         acc = acc + _exp(x0 - m, LIBDEVICE)
@@ -84,9 +87,9 @@ def _stats_kernel(x_ptr, tgt_ptr, lp_ptr, max_ptr, logsum_ptr, V, N_MAIN, stride
         acc = acc + _exp(x2 - m, LIBDEVICE)
         acc = acc + _exp(x3 - m, LIBDEVICE)
     for j in tl.static_range(N_TAIL):  # the columns past the last full 4096: one per thread per round
-        col = N_MAIN * THREADS * ILP + j * THREADS + t
+        col = N_MAIN * _THREADS * _ILP + j * _THREADS + t
         acc = tl.where(col < V, acc + _exp(tl.load(base + col, mask=col < V, other=0.0) - m, LIBDEVICE), acc)
-    total = _tree32(tl.reshape(_tree32(acc, WARP), (1, WARP)), 1)
+    total = _tree32(tl.reshape(_tree32(acc, _WARP), (1, _WARP)), 1)
     logsum = _log(tl.sum(total, axis=0), LIBDEVICE)
     tl.store(max_ptr + row, m)
     tl.store(logsum_ptr + row, logsum)
@@ -114,5 +117,6 @@ def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None,
         tgt = targets_T.contiguous() if targets_T is not None else mx
         _stats_kernel[(T,)](x_TV, tgt, lp if lp is not None else mx, mx, logsum, V, (V - last) // (THREADS * ILP),
                             x_TV.stride(0), HAS_TGT=targets_T is not None, N_TAIL=triton.cdiv(last, THREADS),
-                            LIBDEVICE=x_TV.is_cuda, num_warps=num_warps, **_EXACT if x_TV.is_cuda else {})
+                            LIBDEVICE=x_TV.is_cuda, _THREADS=THREADS, _ILP=ILP, _WARP=WARP, num_warps=num_warps,
+                            **_EXACT if x_TV.is_cuda else {})
     return lp, mx, logsum

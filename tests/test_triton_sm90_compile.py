@@ -1,0 +1,81 @@
+"""The Triton kernels not yet run on a GPU compile for Hopper (sm_90), here on CPU (``triton_sm90``).
+
+Each wrapper runs on small CPU tensors with its launches captured; every captured launch is compiled to a cubin
+with the options it passes, and with the CUDA-only choices a CPU wrapper does not take (libdevice ``exp``, no
+flush-to-zero) forced. What this catches before device time: globals that are not ``tl.constexpr``, shapes or
+layouts the lowering refuses, types that do not meet. The interpreter tests check the arithmetic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from triton_sm90 import compile_sm90, record_launches
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_triton_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A compile must happen here, not be answered from another run's cache."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+
+
+def _cubin(launch, **override) -> bytes:  # type: ignore[no-untyped-def]
+    compiled = compile_sm90(launch, **override)
+    assert compiled.asm.get("cubin"), launch.kernel.__name__
+    return compiled.asm["cubin"]
+
+
+def test_head_log_softmax_stats_kernel() -> None:
+    from titan_rl_ext.kernels import log_softmax_triton as lst
+    from titan_rl_ext.kernels.log_softmax import MIN_V
+
+    x = torch.randn(4, MIN_V + 2564)
+    with record_launches(lst._stats_kernel) as launches:
+        lst.log_softmax_stats(x, torch.zeros(4, dtype=torch.int64))
+        lst.log_softmax_stats(x)
+    assert [launch.args["HAS_TGT"] for launch in launches] == [True, False]
+    for launch in launches:  # as on CUDA: libdevice exp/log, denormals kept, no contraction
+        _cubin(launch, LIBDEVICE=True, **lst._EXACT)
+
+
+def test_head_grad_kernel_from_logits_and_from_log_softmax() -> None:
+    from titan_rl_ext.kernels.lm_head_triton import _head_grad_kernel, head_grad
+
+    x, g, tgt = torch.randn(3, 5000), torch.randn(3), torch.zeros(3, dtype=torch.int64)
+    with record_launches(_head_grad_kernel) as launches:
+        head_grad(x, g, tgt, torch.bfloat16, row_max=torch.zeros(3), row_logsum=torch.zeros(3))
+        head_grad(x, g, tgt, torch.bfloat16)
+    assert [launch.args["FROM_LOGITS"] for launch in launches] == [True, False]
+    for launch in launches:
+        _cubin(launch)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gdn_recurrent_kernel_prefetch_depths(prefetch: int) -> None:
+    from titan_rl_ext.kernels import gdn_triton as gt
+
+    T, H, HV, K, V = 6, 2, 4, 128, 128
+    q, k = torch.randn(T, H, K), torch.randn(T, H, K)
+    v, g, beta = torch.randn(T, HV, V).bfloat16(), torch.randn(T, HV), torch.rand(T, HV).bfloat16()
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with record_launches(gt._gdn_recurrent_kernel) as launches:
+        gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, K**-0.5, config=gt.RecurrentConfig(prefetch=prefetch))
+    assert launches[0].args["PREFETCH"] == prefetch
+    _cubin(launches[0])
+
+
+def test_conv_backward_two_pass_kernels() -> None:
+    from titan_rl_ext.kernels import conv_triton as ct
+
+    x, w, dy = torch.randn(40, 96).bfloat16(), torch.randn(96, 4).bfloat16(), torch.randn(40, 96).bfloat16()
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    with record_launches(ct._conv_bwd_dz_kernel, ct._conv_bwd_dx_kernel) as launches:
+        ct.causal_conv1d_backward_triton(x, w, cu, dy, "silu", variant="two_pass", block_t=16, block_c=64)
+    assert [launch.kernel for launch in launches] == [ct._conv_bwd_dz_kernel, ct._conv_bwd_dx_kernel]
+    for launch in launches:
+        _cubin(launch)

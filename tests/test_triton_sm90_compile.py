@@ -69,13 +69,17 @@ def test_gdn_recurrent_kernel_prefetch_depths(prefetch: int) -> None:
     _cubin(launches[0])
 
 
-def test_conv_backward_two_pass_kernels() -> None:
+def test_conv_backward_kernels_fused_and_two_pass() -> None:
+    """Both variants of the conv backward (the fused kernel was refactored onto shared helpers with the two-pass
+    one, after its last GPU run)."""
     from titan_rl_ext.kernels import conv_triton as ct
 
     x, w, dy = torch.randn(40, 96).bfloat16(), torch.randn(96, 4).bfloat16(), torch.randn(40, 96).bfloat16()
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
-    with record_launches(ct._conv_bwd_dz_kernel, ct._conv_bwd_dx_kernel) as launches:
+    kernels = (ct._conv_bwd_kernel, ct._conv_bwd_dz_kernel, ct._conv_bwd_dx_kernel)
+    with record_launches(*kernels) as launches:
+        ct.causal_conv1d_backward_triton(x, w, cu, dy, "silu", variant="fused")
         ct.causal_conv1d_backward_triton(x, w, cu, dy, "silu", variant="two_pass", block_t=16, block_c=64)
-    assert [launch.kernel for launch in launches] == [ct._conv_bwd_dz_kernel, ct._conv_bwd_dx_kernel]
+    assert [launch.kernel for launch in launches] == list(kernels)
     for launch in launches:
         _cubin(launch)

@@ -399,14 +399,14 @@ def _check_log_softmax_stats() -> None:
     w = (torch.randn(V, D, generator=g) * 0.5).requires_grad_(True)
     tgt = torch.randint(0, V, (T,), generator=g)
     gl = torch.randn(T, generator=g)
-    saved = (lm_head._lse_kernel_ok, lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES)
-    lm_head._lse_kernel_ok = lambda logits: True
+    saved = (lm_head._lse_variant, lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES)
+    lm_head._lse_variant = lambda logits: {"fp_fusion": True, "ftz": False}
     lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES = 3 * V * 4, 3 * V * 4
     try:
         lp = lm_head.token_logprobs_fused(h, w, tgt)
         (lp * gl).sum().backward()
     finally:
-        lm_head._lse_kernel_ok, lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES = saved
+        lm_head._lse_variant, lm_head.CHUNK_BYTES, lm_head.SAVE_BYTES = saved
     dh, dw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
     ref = (h @ w.t()).log_softmax(-1).gather(1, tgt[:, None]).squeeze(1)

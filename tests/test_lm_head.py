@@ -116,34 +116,38 @@ def test_chunks_are_balanced_tile_aligned_and_within_the_cap() -> None:
         assert all(0 < r1 - r0 <= cap for r0, r1 in b) and len(b) == -(-T // cap)
 
 
-def test_probe_falls_back_to_torch_when_the_kernel_fails_or_differs(monkeypatch: pytest.MonkeyPatch,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    """The statistics kernel stands in for torch's log-softmax only where a probe agrees bit for bit: a kernel
-    that raises (a Triton that cannot build it) or that rounds one value differently leaves torch's kernel on.
-    Here "torch's" log-softmax is the reference's (x - max) - logsum, and the fake kernels return those."""
+def test_probe_picks_the_build_variant_with_torchs_bits_or_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The statistics kernel stands in for torch's log-softmax only in a build variant whose bits a probe finds
+    equal to torch's: the first such variant is kept; a kernel that rounds one value differently in every variant,
+    or that raises (a Triton that cannot build it), leaves torch's kernel on. Here "torch's" log-softmax is the
+    reference's (x - max) - logsum, and the fake kernels return those."""
     from titan_rl_ext.kernels import log_softmax_triton as lst
     from titan_rl_ext.kernels.log_softmax import MIN_V, log_softmax_stats_reference
 
-    def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return log_softmax_stats_reference(x)
+    monkeypatch.setattr(lm_head, "torch_log_softmax",
+                        lambda x: (lambda m, ls: (x - m[:, None]) - ls[:, None])(*log_softmax_stats_reference(x)))
 
-    monkeypatch.setattr(lm_head, "torch_log_softmax", lambda x: (x - stats(x)[0][:, None]) - stats(x)[1][:, None])
+    def exact_without_fusion(x: torch.Tensor, targets: torch.Tensor | None = None, *, fp_fusion: bool = True,
+                             ftz: bool = False) -> tuple[None, torch.Tensor, torch.Tensor]:
+        m, logsum = log_softmax_stats_reference(x)
+        if fp_fusion:  # this "build" matches torch only without contraction
+            logsum = torch.nextafter(logsum, torch.full_like(logsum, float("inf")))
+        return None, m, logsum
 
-    def exact(x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[None, torch.Tensor, torch.Tensor]:
-        return None, *stats(x)
-
-    def off_by_one_ulp(x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[None, torch.Tensor, torch.Tensor]:
-        m, logsum = stats(x)
+    def off_by_one_ulp(x: torch.Tensor, targets: torch.Tensor | None = None, **variant: bool) -> tuple[None, torch.Tensor, torch.Tensor]:
+        m, logsum = log_softmax_stats_reference(x)
         return None, m, torch.nextafter(logsum, torch.full_like(logsum, float("inf")))
 
-    def broken(x: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+    def broken(x: torch.Tensor, targets: torch.Tensor | None = None, **variant: bool) -> None:
         raise RuntimeError("PassManager::run failed")
 
+    cases = ((exact_without_fusion, {"fp_fusion": False, "ftz": False}), (off_by_one_ulp, None), (broken, None))
     try:
-        for fn, want in ((exact, True), (off_by_one_ulp, False), (broken, False)):
-            lm_head._probe_agrees.cache_clear()
+        for fn, want in cases:
+            lm_head._probe_variant.cache_clear()
             monkeypatch.setattr(lst, "log_softmax_stats", fn)
-            assert lm_head._probe_agrees(torch.device("cpu"), MIN_V) is want, fn.__name__
+            assert lm_head._probe_variant(torch.device("cpu"), MIN_V) == want, fn.__name__
     finally:
-        lm_head._probe_agrees.cache_clear()
-    assert "failed" in caplog.text and "differs" in caplog.text
+        lm_head._probe_variant.cache_clear()
+    assert "failed" in caplog.text and "no build" in caplog.text

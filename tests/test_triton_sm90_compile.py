@@ -39,8 +39,9 @@ def test_head_log_softmax_stats_kernel() -> None:
         lst.log_softmax_stats(x, torch.zeros(4, dtype=torch.int64))
         lst.log_softmax_stats(x)
     assert [launch.args["HAS_TGT"] for launch in launches] == [True, False]
-    for launch in launches:  # as on CUDA: libdevice exp/log, denormals kept, no contraction
-        _cubin(launch, LIBDEVICE=True, **lst._EXACT)
+    for launch in launches:  # as on CUDA: libdevice exp/log, each build variant the head's probe may try
+        for variant in lst.VARIANTS:
+            _cubin(launch, LIBDEVICE=True, **lst.cuda_options(**variant))
 
 
 def test_head_grad_kernel_from_logits_and_from_log_softmax() -> None:

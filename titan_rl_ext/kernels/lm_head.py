@@ -89,46 +89,51 @@ def torch_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(dim=-1, dtype=torch.float32)
 
 
-def _lse_kernel_ok(logits: torch.Tensor) -> bool:
-    """Whether ``log_softmax_triton`` stands in for ``torch.log_softmax`` on these logits."""
+def _lse_variant(logits: torch.Tensor) -> dict[str, bool] | None:
+    """The ``log_softmax_triton`` build variant that stands in for ``torch.log_softmax`` on these logits, or None
+    (torch's kernel)."""
     from titan_rl_ext.kernels.rows import fused_available
 
     if os.environ.get(HEAD_LSE_ENV, "") == "torch" or not fused_available(logits):
-        return False
+        return None
     from titan_rl_ext.kernels.log_softmax import replicates
 
-    return replicates(logits) and _probe_agrees(logits.device, logits.shape[1])
+    return _probe_variant(logits.device, logits.shape[1]) if replicates(logits) else None
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_agrees(device: torch.device, V: int) -> bool:
-    """The kernel against ``torch.log_softmax`` on probe rows of this width (logit-like spreads, a spike, a row
-    whose tail underflows ``exp``), every column compared: a torch build that sums in another order, or
-    takes another kernel for this width, keeps torch's log-softmax (with a warning) instead of shifting bits."""
-    from titan_rl_ext.kernels.log_softmax_triton import log_softmax_stats
+def _probe_variant(device: torch.device, V: int) -> dict[str, bool] | None:
+    """The first build variant (``log_softmax_triton.VARIANTS``) whose kernel gives ``torch.log_softmax``'s bits on
+    every column of probe rows of this width (logit-like spreads, a spike, a row whose exponentials underflow past
+    the denormals); None if none does, or the kernel fails to build: torch's kernel then, with a warning, instead
+    of shifted bits."""
+    from titan_rl_ext.kernels import log_softmax_triton as lst
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(8, V, device=device, generator=g) * torch.tensor([0.5, 2, 4, 8, 4, 4, 4, 30], device=device)[:, None]
     x[4, V // 3] = 60.0
-    x[5, : V // 2] -= 120.0
-    try:
-        _, m, logsum = log_softmax_stats(x)
-    except Exception:  # a Triton that cannot build it here: torch's kernel, the path that always works
-        logger.exception("titan head: the log-softmax kernel failed on %s; using torch's kernel", device)
-        return False
-    ok = torch.equal((x - m[:, None]) - logsum[:, None], torch_log_softmax(x))
-    if not ok:
-        logger.warning("titan head: the log-softmax kernel differs from torch.log_softmax on this torch build "
-                       "(V=%d, %s); using torch's kernel", V, torch.__version__)
-    return ok
+    x[5, : V // 2] -= 95.0
+    want = torch_log_softmax(x)
+    for variant in lst.VARIANTS:
+        try:
+            _, m, logsum = lst.log_softmax_stats(x, **variant)
+        except Exception:  # a Triton that cannot build it here: torch's kernel, the path that always works
+            logger.exception("titan head: the log-softmax kernel failed on %s; using torch's kernel", device)
+            return None
+        if torch.equal((x - m[:, None]) - logsum[:, None], want):
+            return variant
+    logger.warning("titan head: no build of the log-softmax kernel gives torch.log_softmax's bits on this torch "
+                   "(V=%d, %s); using torch's kernel", V, torch.__version__)
+    return None
 
 
 def _rows_of(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Rows]:
     """``(lp at targets [T], what the backward needs)`` of a chunk's fp32 logits."""
-    if _lse_kernel_ok(logits):
+    variant = _lse_variant(logits)
+    if variant is not None:
         from titan_rl_ext.kernels.log_softmax_triton import log_softmax_stats
 
-        lp_t, m, logsum = log_softmax_stats(logits, targets)
+        lp_t, m, logsum = log_softmax_stats(logits, targets, **variant)
         return lp_t, LogitRows(logits, m, logsum)
     lp = torch_log_softmax(logits)
     return lp.gather(1, targets[:, None]).squeeze(1), lp

@@ -30,9 +30,15 @@ from triton.language.extra import libdevice
 
 from titan_rl_ext.kernels.log_softmax import ILP, MIN_V, THREADS, WARP, replicates
 
-# nvcc's build of torch keeps denormals and contracts nothing here; Triton's defaults flush libdevice's denormals
-# (exp of a logit ~90 below the max is a denormal in torch, 0 otherwise) and fuse multiply-adds
-_EXACT = {"enable_reflect_ftz": False, "enable_fp_fusion": False}
+# How nvcc built torch's kernel, as far as it matters here, is not read from anywhere: whether denormals are
+# flushed (exp of a logit ~90 below the max is a denormal, or 0) and whether a multiply-add is contracted (the
+# last multiply inside expf with the sum's add, once inlined; nvcc's default -fmad=true, Triton's
+# enable_fp_fusion). The build variants, most likely first; the head's probe keeps the first that gives torch's
+# bits (``lm_head._probe_variant``).
+VARIANTS: tuple[dict[str, bool], ...] = (
+    {"fp_fusion": True, "ftz": False}, {"fp_fusion": False, "ftz": False},
+    {"fp_fusion": True, "ftz": True}, {"fp_fusion": False, "ftz": True},
+)
 
 
 @triton.jit
@@ -98,11 +104,18 @@ def _stats_kernel(x_ptr, tgt_ptr, lp_ptr, max_ptr, logsum_ptr, V, N_MAIN, stride
         tl.store(lp_ptr + row, (xt - m) - logsum)
 
 
-def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None, *, num_warps: int = 16
+def cuda_options(fp_fusion: bool, ftz: bool) -> dict[str, bool]:
+    """The Triton compile options of a build variant."""
+    return {"enable_fp_fusion": fp_fusion, "enable_reflect_ftz": ftz}
+
+
+def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None, *, num_warps: int = 16,
+                      fp_fusion: bool = True, ftz: bool = False
                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(lp [T] at targets or None, max [T], logsum [T])``, fp32, such that ``(x - max) - logsum`` is
-    ``torch.log_softmax(x, -1)`` bit for bit (where ``replicates(x)``; else a ``ValueError``). ``num_warps``
-    changes the speed only (the order is fixed by the kernel's index arithmetic; ``benchmarks/head_lse.py``)."""
+    ``torch.log_softmax(x, -1)`` bit for bit (where ``replicates(x)``, else a ``ValueError``; and for the
+    ``VARIANTS`` entry -- ``fp_fusion``, ``ftz`` -- that matches how torch was built). ``num_warps`` changes the
+    speed only (the order is fixed by the kernel's index arithmetic; ``benchmarks/head_lse.py``)."""
     if not replicates(x_TV):
         raise ValueError(f"logits [T, V>={MIN_V}] fp32 with aligned unit-stride rows needed; got {x_TV.dtype} "
                          f"{tuple(x_TV.shape)} strides {x_TV.stride()}")
@@ -118,5 +131,5 @@ def log_softmax_stats(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None,
         _stats_kernel[(T,)](x_TV, tgt, lp if lp is not None else mx, mx, logsum, V, (V - last) // (THREADS * ILP),
                             x_TV.stride(0), HAS_TGT=targets_T is not None, N_TAIL=triton.cdiv(last, THREADS),
                             LIBDEVICE=x_TV.is_cuda, _THREADS=THREADS, _ILP=ILP, _WARP=WARP, num_warps=num_warps,
-                            **_EXACT if x_TV.is_cuda else {})
+                            **cuda_options(fp_fusion, ftz) if x_TV.is_cuda else {})
     return lp, mx, logsum

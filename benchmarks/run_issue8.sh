@@ -5,12 +5,14 @@
 #   device run:  bash benchmarks/run_issue8.sh            carry: [".whl"]  (fla-core wheel, if fla is not installed there)
 #   stages:      bash benchmarks/run_issue8.sh gemm gdn   (any of: gemm gdn rec conv gemms lse step inf; default gemm gdn step inf)
 #
-# Writes $OUT/<name>.log and $OUT/<name>.json for each stage (8 files: the most a device call returns) and
+# Writes $OUT/<name>.json and $LOG_DIR/<name>.log for each stage (LOG_DIR defaults to $OUT; a device call returns
+# at most ~8 files, so for more than 3 stages set LOG_DIR=/tmp/issue8-logs: the JSONs hold every figure) and
 # prints each SUMMARY block plus a recap of the headline ratios at the end (the reply keeps the tail).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/issue8}
-mkdir -p "$out"
+logs=${LOG_DIR:-$out}
+mkdir -p "$out" "$logs"
 export PYTHONUNBUFFERED=1
 py=${PY:-python3}                 # PY=.venv/bin/python ISSUE8_ARGS=--smoke OUT=/tmp/i8 bash benchmarks/run_issue8.sh: CPU dry run
 extra=${ISSUE8_ARGS:-}
@@ -48,13 +50,13 @@ run_stage() {  # name, timeout_s, script args...
     shift 2
     local t0=$(date +%s)
     # shellcheck disable=SC2086  # $extra: word-split on purpose
-    timeout -k 10 "$limit" $py "$@" $extra --out "$out/$name.json" > "$out/$name.log" 2>&1
+    timeout -k 10 "$limit" $py "$@" $extra --out "$out/$name.json" > "$logs/$name.log" 2>&1
     local rc=$?
     echo
-    echo "===== $name: rc=$rc ($(( $(date +%s) - t0 )) s, limit $limit s)  log: $out/$name.log"
+    echo "===== $name: rc=$rc ($(( $(date +%s) - t0 )) s, limit $limit s)  log: $logs/$name.log"
     # the SUMMARY block (profile tables stay in the log; their category lines are printed)
-    awk '/^SUMMARY/{p=1} /^PROFILE/{p=0; print} /by category/{print} p' "$out/$name.log"
-    [ $rc -eq 0 ] || tail -n 15 "$out/$name.log"
+    awk '/^SUMMARY/{p=1} /^PROFILE/{p=0; print} /by category/{print} p' "$logs/$name.log"
+    [ $rc -eq 0 ] || tail -n 15 "$logs/$name.log"
 }
 
 for s in $stages; do

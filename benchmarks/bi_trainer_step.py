@@ -13,7 +13,11 @@ ratio BI/non-BI (throughput; < 1 = BI slower).
 Also:
 - sanity check that BI is really on: the same sequences packed in another order, behind an extra filler
   sequence (so T changes too), must give bit-identical per-token logprobs with BI on (exit code 1 if
-  not); the BI-off count is printed too;
+  not); the BI-off count is printed too; and the head's log-softmax statistics kernel must give the bits of
+  ``torch.log_softmax`` (``bi_torch_lse``: ``TITAN_HEAD_LSE=torch``), counted as ``lse_kernel_vs_torch_differing``;
+- beside ``bi`` / ``nonbi``, the same step with one change undone, same process: ``*_head_recompute`` (the head's
+  backward recomputes its logits), ``*_ref_bwd`` (the fused kernels' torch-reference gradients),
+  ``*_torch_lse`` (torch's log-softmax), ``bi_titan_rec`` (the project's recurrent GDN kernel instead of FLA's);
 - a breakdown (``--no-breakdown`` to skip): fwd+bwd of one GDN block, the attention block and the head
   (fp32 logits + log-softmax + backward) alone, so the largest term is visible without a profiler;
 - ``--profile``: one profiled step per mode, top-20 CUDA kernels by total time (torch.profiler), kernel

@@ -44,7 +44,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it also puts the repo root on sys.path)
 from bench_common import FILLER_LEN, Timer, base_parser, build_slice, env_summary, environment  # noqa: E402
 from bench_common import fla_chunk_bwd_guard, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
-from bench_common import env_set, print_profile, profile_step, sync, two_packings, two_rounds  # noqa: E402
+from bench_common import env_set, print_profile, profile_step, two_packings, two_rounds  # noqa: E402
 from bench_common import add_slice_args, packed_lengths  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402

@@ -103,3 +103,15 @@ def test_hf_init_checkpoint_has_no_singular_padding_row(tmp_path) -> None:
     with_pad = grad_norm(torch.cat([torch.arange(1, 20), torch.tensor([0]), torch.arange(20, 40)]))
     # one token of 40 changed: the norms agree within 2x unless that token's row is singular (then ~440x)
     assert with_pad < 2 * without_pad, (with_pad, without_pad)
+
+
+def test_rows_to_next_tokens_shifts_within_sequences() -> None:
+    """Row t scores the token after it; each position takes its predecessor's row within its own sequence, and a
+    sequence's first token (also after an empty sequence) gets NaN."""
+    from titan_rl_ext.models.common.batch import SeqBatch
+
+    rows = torch.arange(7, dtype=torch.float32) + 10
+    got = SeqBatch.from_lengths([3, 0, 4]).rows_to_next_tokens(rows)
+    want = torch.tensor([float("nan"), 10, 11, float("nan"), 13, 14, 15])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert SeqBatch.from_lengths([]).rows_to_next_tokens(torch.zeros(0)).shape == (0,)

@@ -39,9 +39,10 @@ from titan_rl_ext.kernels import batch_invariant as bi
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 << 30  # fp32 logits per chunk (and as much again for its log-softmax)
+CHUNK_BYTES = 4 << 30  # fp32 logits per chunk (on torch's path as much again for its log-softmax)
 SAVE_BYTES = int(float(os.environ.get("TITAN_HEAD_SAVE_GB", "8")) * (1 << 30))
-"""fp32 log-softmax the forward keeps for the backward (per call); 0: always recompute the logits."""
+"""fp32 logits (or, on torch's path, log-softmax) the forward keeps for the backward (per call); 0: always
+recompute the logits."""
 _LOW = (torch.bfloat16, torch.float16)
 HEAD_LSE_ENV = "TITAN_HEAD_LSE"
 """``torch``: the head's log-softmax through ``torch.log_softmax`` even where the project's kernel replicates it."""

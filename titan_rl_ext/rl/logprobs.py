@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from titan_rl_ext.kernels.lm_head import torch_log_softmax
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.decoder import Decoder
 
 
 def logprobs_from_logits(logits_TV: torch.Tensor) -> torch.Tensor:
-    return logits_TV.log_softmax(dim=-1, dtype=torch.float32)
+    return torch_log_softmax(logits_TV)
 
 
 def token_logprobs(model: Decoder, tokens_T: torch.Tensor, batch: SeqBatch, fp32_head: bool = True) -> torch.Tensor:
@@ -25,18 +26,12 @@ def token_logprobs(model: Decoder, tokens_T: torch.Tensor, batch: SeqBatch, fp32
     With the fp32 head (the default, and what parity needs) the logprobs come from
     ``Decoder.packed_token_logprobs``: bit for bit ``log_softmax(fp32 logits)[token]``, without a
     ``[T, V]`` tensor."""
-    T = tokens_T.shape[0]
-    nan_T = torch.full((T,), float("nan"), dtype=torch.float32, device=tokens_T.device)
-    if T == 0:
-        return nan_T
-    # position t is predicted by the logits at t-1 of the same sequence; the first of each has none. Selected
-    # by where/roll rather than boolean indexing: nothing sized by the data, so no host sync in the step
-    is_first = torch.zeros(T, dtype=torch.bool, device=tokens_T.device)
-    is_first[batch.cu_seqlens[:-1].long().clamp(max=T - 1)] = True
+    if tokens_T.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float32, device=tokens_T.device)
     targets_T = tokens_T.roll(-1)  # row t scores the token after it; rows ending a sequence are unused
     if fp32_head:
         lp_rows = model.packed_token_logprobs(tokens_T, batch, targets_T)
     else:
         lp_TV = logprobs_from_logits(model.packed_logits(tokens_T, batch, fp32=False))
         lp_rows = lp_TV.gather(1, targets_T[:, None]).squeeze(1)
-    return torch.where(is_first, nan_T, lp_rows.roll(1))
+    return batch.rows_to_next_tokens(lp_rows)

@@ -29,6 +29,18 @@ class SeqBatch:
     def num_tokens(self) -> int:
         return self.positions.numel()
 
+    def rows_to_next_tokens(self, rows_T: torch.Tensor) -> torch.Tensor:
+        """``out[t] = rows[t - 1]`` within each sequence, NaN at each sequence's first token: from what row t scores
+        (the token after it) to the token each position holds. By ``roll``/``where``, not boolean indexing:
+        nothing sized by the data, so no host sync."""
+        T = rows_T.shape[0]
+        nan_T = torch.full((T,), float("nan"), dtype=rows_T.dtype, device=rows_T.device)
+        if T == 0:
+            return nan_T
+        is_first = torch.zeros(T, dtype=torch.bool, device=rows_T.device)
+        is_first[self.cu_seqlens[:-1].long().clamp(max=T - 1)] = True
+        return torch.where(is_first, nan_T, rows_T.roll(1))
+
     def lengths(self) -> list[int]:
         b = self.cu_seqlens.tolist()
         return [e - s for s, e in zip(b[:-1], b[1:])]

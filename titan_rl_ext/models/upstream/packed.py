@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from titan_rl_ext.kernels import batch_invariant as bi
+from titan_rl_ext.kernels.lm_head import torch_log_softmax
 from titan_rl_ext.kernels.varlen_attention import packed_causal_attention
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.upstream.bi_ops import BatchInvariantOps
@@ -50,14 +51,8 @@ def token_logprobs(model: nn.Module, tokens_T: torch.Tensor, batch: SeqBatch) ->
     token; fp32 logits and the log-softmax call vLLM's sampler makes, as ``rl.logprobs.token_logprobs``."""
     with BatchInvariantOps() if bi.is_batch_invariant() else contextlib.nullcontext():
         logits = model(tokens_T[None], positions=batch.positions[None], attention_masks=batch)[0]
-    lp_TV = logits.float().log_softmax(dim=-1, dtype=torch.float32)
-    T = tokens_T.shape[0]
-    out = torch.full((T,), float("nan"), dtype=torch.float32, device=tokens_T.device)
-    first = torch.zeros(T, dtype=torch.bool, device=tokens_T.device)
-    first[batch.cu_seqlens[:-1].long().clamp(max=max(T - 1, 0))] = True
-    rows = (~first).nonzero().flatten()
-    out[rows] = lp_TV[rows - 1, tokens_T[rows]]
-    return out
+    lp_TV = torch_log_softmax(logits.float())
+    return batch.rows_to_next_tokens(lp_TV.gather(1, tokens_T.roll(-1)[:, None]).squeeze(1))
 
 
 def load_hf(model_dir: str, spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:

@@ -16,7 +16,7 @@ of each sequence -- i.e. ``Decoder.step`` with vLLM's logits selection and the p
   already in its state (random KV / GDN states of the right shapes: the step's cost does not depend on
   their values) -> step latency and tokens/s.
 All modes in the same process, two interleaved rounds each (median of reps per round): BI and non-BI, each also
-with the project's recurrent GDN kernel (``*_rec``, ``TITAN_GDN_RECURRENT=titan``) in place of FLA's.
+with FLA's recurrent GDN kernel (``*_fla``, ``TITAN_GDN_RECURRENT=fla``) in place of the project's (the default).
 Sanity checks: BI prefill last-token logits bit-identical when the sequences are packed in another
 order behind a filler sequence; BI decode logits of sequence 0 bit-identical at every batch size (exit
 code 1 if either fails).
@@ -128,9 +128,9 @@ def main() -> int:
     print(f"    GDN: BI = recurrent {'FLA' if uses_fla else 'torch'}; non-BI = chunk (prefill) / recurrent (decode: "
           f"the wrapper picks it for <=2 tokens per sequence){' via FLA' if uses_fla else ' (torch)'}; "
           "head fp32 with BI, bf16 without (as the vLLM plugin)", flush=True)
-    # *_rec: the project's recurrent GDN kernel (TITAN_GDN_RECURRENT=titan: BI's forward, non-BI decode) instead of FLA's
-    modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_rec": (True, {RECURRENT_ENV: "titan"}),
-             "nonbi_rec": (False, {RECURRENT_ENV: "titan"})}
+    # *_fla: FLA's recurrent GDN kernel (TITAN_GDN_RECURRENT=fla: BI's forward, non-BI decode) instead of the project's
+    modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_fla": (True, {RECURRENT_ENV: "fla"}),
+             "nonbi_fla": (False, {RECURRENT_ENV: "fla"})}
     timer = Timer(dev)
     results: dict[str, Any] = {"env": env, "args": vars(args), "lengths": lengths, "batches": batches, "ctx": ctx,
                                "vocab": cfg.vocab_size}
@@ -230,13 +230,13 @@ def main() -> int:
             ratios.append({"phase": r["phase"], "B": r["B"], "bi_tok_s": r["tokens_per_s"], "nonbi_tok_s": base["tokens_per_s"],
                            "ratio": r["tokens_per_s"] / base["tokens_per_s"], "bi_ms": r["ms"], "nonbi_ms": base["ms"]})
     results["ratios"] = ratios
-    # the recurrent kernels against each other: *_rec over FLA's, and BI with the titan kernel over non-BI
+    # the recurrent kernels against each other: *_fla over the default (the project's), and BI with FLA's over non-BI
     results["ratios_rec"] = [
         {"phase": r["phase"], "B": r["B"], "mode": r["mode"],
-         "over_fla": r["tokens_per_s"] / by[(r["phase"], r["B"], r["mode"][:-4])]["tokens_per_s"],
-         **({"bi_rec_over_nonbi": r["tokens_per_s"] / by[(r["phase"], r["B"], "nonbi")]["tokens_per_s"]}
-            if r["mode"] == "bi_rec" else {})}
-        for r in rows if r["mode"].endswith("_rec")]
+         "over_default": r["tokens_per_s"] / by[(r["phase"], r["B"], r["mode"][:-4])]["tokens_per_s"],
+         **({"bi_fla_over_nonbi": r["tokens_per_s"] / by[(r["phase"], r["B"], "nonbi")]["tokens_per_s"]}
+            if r["mode"] == "bi_fla" else {})}
+        for r in rows if r["mode"].endswith("_fla")]
     print(f"\nSUMMARY bi_inference  {env_summary(env)}")
     print(f"    4-layer 9B slice, vocab {cfg.vocab_size}; prefill T={T} {lengths} from empty states; decode at ctx {ctx} "
           "(random states); engine step = " + ("Decoder.step (bf16 logits of every token)" if args.literal_step
@@ -247,12 +247,12 @@ def main() -> int:
                            ("ms_r2", "r2 ms", ".2f"), ("spread_pct", "spread%", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),
                            ("tflops", "useful TF/s", ".1f"), ("gbs", "minIO GB/s", ".0f")]))
     print("RATIOS BI/non-BI throughput: " + "; ".join(f"{r['phase']} B={r['B']} {r['ratio']:.3f}" for r in ratios))
-    print("RATIOS titan recurrent GDN kernel / FLA's: " + "; ".join(
-        f"{r['mode']} {r['phase']} B={r['B']} {r['over_fla']:.3f}" for r in results["ratios_rec"]))
-    print("RATIOS BI (titan recurrent)/non-BI: " + "; ".join(
-        f"{r['phase']} B={r['B']} {r['bi_rec_over_nonbi']:.3f}" for r in results["ratios_rec"] if r["mode"] == "bi_rec"))
+    print("RATIOS FLA's recurrent GDN kernel / the project's: " + "; ".join(
+        f"{r['mode']} {r['phase']} B={r['B']} {r['over_default']:.3f}" for r in results["ratios_rec"]))
+    print("RATIOS BI (FLA recurrent)/non-BI: " + "; ".join(
+        f"{r['phase']} B={r['B']} {r['bi_fla_over_nonbi']:.3f}" for r in results["ratios_rec"] if r["mode"] == "bi_fla"))
     print("checks: " + json.dumps(checks))
-    ok = all(checks[f"prefill_order_{m}_identical"] and checks[f"decode_seq0_{m}_identical_across_B"] for m in ("bi", "bi_rec"))
+    ok = all(checks[f"prefill_order_{m}_identical"] and checks[f"decode_seq0_{m}_identical_across_B"] for m in ("bi", "bi_fla"))
     if not ok:
         print("FAIL: BI inference results depend on batch composition")
     save()

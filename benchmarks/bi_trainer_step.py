@@ -17,7 +17,7 @@ Also:
   ``torch.log_softmax`` (``bi_torch_lse``: ``TITAN_HEAD_LSE=torch``), counted as ``lse_kernel_vs_torch_differing``;
 - beside ``bi`` / ``nonbi``, the same step with one change undone, same process: ``*_head_recompute`` (the head's
   backward recomputes its logits), ``*_ref_bwd`` (the fused kernels' torch-reference gradients),
-  ``*_torch_lse`` (torch's log-softmax), ``bi_titan_rec`` (the project's recurrent GDN kernel instead of FLA's);
+  ``*_torch_lse`` (torch's log-softmax), ``bi_fla_rec`` (FLA's recurrent GDN kernel instead of the project's, the default);
 - a breakdown (``--no-breakdown`` to skip): fwd+bwd of one GDN block, the attention block and the head
   (fp32 logits + log-softmax + backward) alone, so the largest term is visible without a profiler;
 - ``--profile``: one profiled step per mode, top-20 CUDA kernels by total time (torch.profiler), kernel
@@ -128,7 +128,7 @@ def main() -> int:
     modes = {"bi": True, "nonbi": False}
     # bi_torch_lse: the head's log-softmax through torch.log_softmax instead of the statistics kernel, whose
     # logprobs must be the same bits (it replicates torch's summation order)
-    check_modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_titan_rec": (True, {RECURRENT_ENV: "titan"}),
+    check_modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_fla_rec": (True, {RECURRENT_ENV: "fla"}),
                    "bi_torch_lse": (True, {HEAD_LSE_ENV: "torch"})}
 
     # ---- sanity: another batch composition -> BI logprobs bit-identical (also warms up every kernel) -------
@@ -154,10 +154,10 @@ def main() -> int:
     check["lse_kernel_vs_torch_differing"] = int((lp_by_mode["bi"][v] != lp_by_mode["bi_torch_lse"][v]).sum())
     del lp_by_mode
     bi_ok = all(check[m]["differing"] == 0 and check[m]["nan_pattern_equal"] and check[m]["finite"]
-                for m in ("bi", "bi_titan_rec", "bi_torch_lse")) and check["lse_kernel_vs_torch_differing"] == 0
+                for m in ("bi", "bi_fla_rec", "bi_torch_lse")) and check["lse_kernel_vs_torch_differing"] == 0
     results["order_check"] = check
     print(f"order check (sequences packed {order} vs {check['order_b']}): BI on {check['bi']['differing']}/{check['bi']['tokens']} "
-          f"logprobs differ, BI with the titan recurrent kernel {check['bi_titan_rec']['differing']} "
+          f"logprobs differ, BI with FLA's recurrent kernel {check['bi_fla_rec']['differing']} "
           f"({'OK, bit-identical' if bi_ok else 'FAIL'}); BI off {check['nonbi']['differing']}/"
           f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}); head statistics kernel vs "
           f"torch.log_softmax {check['lse_kernel_vs_torch_differing']} differ; "
@@ -169,13 +169,13 @@ def main() -> int:
     # before the forward's log-softmax was kept: the same step in the same process, for the before/after
     from titan_rl_ext.kernels import lm_head
 
-    # bi_titan_rec: BI with the project's recurrent GDN kernel (TITAN_GDN_RECURRENT=titan) instead of FLA's;
+    # bi_fla_rec: BI with FLA's recurrent GDN kernel (TITAN_GDN_RECURRENT=fla) instead of the project's (default);
     # *_ref_bwd: the fused kernels' backward through their torch references (TITAN_FUSED_BACKWARD=0), the path
     # before the backward kernels (the conv's first)
     keep = lm_head.SAVE_BYTES
     step_modes = {m: (on, keep, {}) for m, on in modes.items()}
     step_modes.update({"bi_head_recompute": (True, 0, {}), "nonbi_head_recompute": (False, 0, {}),
-                       "bi_titan_rec": (True, keep, {RECURRENT_ENV: "titan"}),
+                       "bi_fla_rec": (True, keep, {RECURRENT_ENV: "fla"}),
                        "bi_torch_lse": (True, keep, {HEAD_LSE_ENV: "torch"}),
                        "nonbi_torch_lse": (False, keep, {HEAD_LSE_ENV: "torch"}),
                        "bi_ref_bwd": (True, keep, {FUSED_BACKWARD_ENV: "0"}),
@@ -231,10 +231,10 @@ def main() -> int:
                                                           "nonbi": tput_ratio("nonbi", "nonbi_ref_bwd")}
     print(f"  backward kernels vs the references' gradients (throughput): "
           f"{results['ratio_fused_bwd_over_ref_bwd_throughput']}", flush=True)
-    results["ratio_bi_titan_rec_over_bi_throughput"] = tput_ratio("bi_titan_rec", "bi")
-    results["ratio_bi_titan_rec_over_nonbi_throughput"] = tput_ratio("bi_titan_rec", "nonbi")
-    print(f"  BI with the titan recurrent GDN kernel vs FLA's (throughput): {results['ratio_bi_titan_rec_over_bi_throughput']}; "
-          f"vs non-BI: {results['ratio_bi_titan_rec_over_nonbi_throughput']}", flush=True)
+    results["ratio_bi_fla_rec_over_bi_throughput"] = tput_ratio("bi_fla_rec", "bi")
+    results["ratio_bi_fla_rec_over_nonbi_throughput"] = tput_ratio("bi_fla_rec", "nonbi")
+    print(f"  BI with FLA's recurrent GDN kernel vs the project's (throughput): {results['ratio_bi_fla_rec_over_bi_throughput']}; "
+          f"vs non-BI: {results['ratio_bi_fla_rec_over_nonbi_throughput']}", flush=True)
     print(f"  head backward from the kept log-softmax vs recomputed logits (throughput): "
           f"{results['ratio_kept_head_over_recompute_throughput']}", flush=True)
     results["ratio_lse_kernel_over_torch_log_softmax_throughput"] = {
@@ -302,10 +302,10 @@ def main() -> int:
     print("    useful FLOPs/step: " + ", ".join(f"{k} {v / 1e12:.2f} T" for k, v in flops.items()))
     if ratio is not None:
         print(f"RATIO BI/non-BI throughput = {ratio:.3f}  (BI step {1 / ratio:.2f}x the time of the non-BI step)")
-    if results["ratio_bi_titan_rec_over_nonbi_throughput"] is not None:
-        print(f"RATIO BI (titan recurrent GDN)/non-BI throughput = {results['ratio_bi_titan_rec_over_nonbi_throughput']:.3f}")
+    if results["ratio_bi_fla_rec_over_nonbi_throughput"] is not None:
+        print(f"RATIO BI (FLA recurrent GDN)/non-BI throughput = {results['ratio_bi_fla_rec_over_nonbi_throughput']:.3f}")
     print(f"BI order check: {'PASS' if bi_ok else 'FAIL'} ({check['bi']['differing']}/{check['bi']['tokens']} differ; "
-          f"titan recurrent {check['bi_titan_rec']['differing']}); "
+          f"FLA recurrent {check['bi_fla_rec']['differing']}); "
           f"non-BI: {check['nonbi']['differing']}/{check['nonbi']['tokens']} differ")
     if breakdown:
         print("breakdown (fwd+bwd of each part alone; pct = part x count / full step):")

@@ -68,7 +68,9 @@ for s in $stages; do
         rec)  run_stage gdn_recurrent 240 benchmarks/gdn_recurrent.py ;;
         # conv: the fastest checked launch becomes this GPU's table entry, so a later stage of the same call (step) runs it
         conv) run_stage conv_kernels 150 benchmarks/conv_kernels.py --table-out titan_rl_ext/kernels/conv_bwd_tables.json ;;
-        gemms) run_stage step_gemms 200 benchmarks/step_gemms.py ;;
+        # gemms: non-BI only (the target at stake) and a limit of its own: both modes did not finish in 200 s on
+        # a cold H200 or H100 (sessions 30, 31); run it as the call's only stage
+        gemms) run_stage step_gemms 420 benchmarks/step_gemms.py --modes nonbi ;;
         lse)  run_stage head_lse 90 benchmarks/head_lse.py ;;
         step) run_stage bi_trainer_step 240 benchmarks/bi_trainer_step.py --profile --budget-s 150 ;;
         inf)  run_stage bi_inference 150 benchmarks/bi_inference.py --batches 1,32,256 --decode-ctx 512 --decode-reps 5 --max-s 6 ;;

@@ -275,6 +275,9 @@ def test_generators_must_run_the_trainers_recurrent_gdn_kernel(monkeypatch: pyte
     check_recurrent_kernels({"http://a": {"version": 0, "gdn_recurrent": "titan"}, "http://b": {"version": 0}})
     with pytest.raises(ValueError, match=r"this trainer runs 'titan', but http://b runs 'fla'.*TITAN_GDN_RECURRENT"):
         check_recurrent_kernels({"http://a": {"gdn_recurrent": "titan"}, "http://b": {"gdn_recurrent": "fla"}})
-    monkeypatch.delenv("TITAN_GDN_RECURRENT")  # the default, fla
+    monkeypatch.setenv("TITAN_GDN_RECURRENT", "fla")
     with pytest.raises(ValueError, match="http://a runs 'titan'"):
         check_recurrent_kernels({"http://a": {"gdn_recurrent": "titan"}})
+    monkeypatch.delenv("TITAN_GDN_RECURRENT")  # the default, titan
+    with pytest.raises(ValueError, match="this trainer runs 'titan', but http://a runs 'fla'"):
+        check_recurrent_kernels({"http://a": {"gdn_recurrent": "fla"}})

@@ -269,12 +269,15 @@ def fla_available() -> bool:
 
 RECURRENT_ENV = "TITAN_GDN_RECURRENT"
 RECURRENT_KERNELS = ("fla", "titan")
-RECURRENT_DEFAULT = "fla"
+# titan since session 31: through vLLM 0.26 with full decode graphs, trainer vs generator logprobs differ in 0 of
+# 512 tokens on the 9B and 35B-A3B shapes (H100, docs/benchmarks.md §15), and the kernel is 1.3-23x FLA's
+# fused_recurrent at train, prefill and decode sizes (benchmarks/results/gdn_recurrent*.json)
+RECURRENT_DEFAULT = "titan"
 
 
 def recurrent_kernel() -> str:
     """Which kernel runs recurrent forwards on CUDA (BI mode's forward everywhere, decode-sized non-BI calls):
-    ``TITAN_GDN_RECURRENT`` = ``fla`` (default: FLA's ``fused_recurrent``) or ``titan`` (``kernels.gdn_triton``).
+    ``TITAN_GDN_RECURRENT`` = ``titan`` (default: ``kernels.gdn_triton``) or ``fla`` (FLA's ``fused_recurrent``).
     The two round differently, so the trainer and every generator of a run must name the same one."""
     name = os.environ.get(RECURRENT_ENV, RECURRENT_DEFAULT)
     if name not in RECURRENT_KERNELS:

@@ -51,7 +51,10 @@ class RecurrentConfig:
     # 4.1 ms vs 7.6 at BV 8 and 10.1 for FLA's recurrent kernel; decode B = 256 0.27 vs 0.37 and 0.44 ms)
     BV: int = 32
     num_warps: int = 1
-    prefetch: int = 1  # tokens loaded ahead of the one computed: 0, 1 or 2 (speed only)
+    # tokens loaded ahead of the one computed: 0, 1 or 2 (speed only: the same bits, checked on the GPU). 2 on
+    # the H100 (benchmarks/results/gdn_recurrent_h100.json): train 2.11 vs 2.48 ms at 1, prefill 3.93 vs 4.13,
+    # decode B = 1 / 256 the same
+    prefetch: int = 2
     merged: bool = True  # the rearranged step above; False: FLA's order (decay, k^T S, write, S^T q)
 
 

@@ -162,11 +162,26 @@ def environment(dev: torch.device) -> dict[str, Any]:
         p = torch.cuda.get_device_properties(dev)
         info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sm_count=p.multi_processor_count,
                     gpu_mem_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
-                    tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+                    tf32_matmul=torch.backends.cuda.matmul.allow_tf32, launch_tables=launch_tables_for(p.name))
     else:
         info.update(gpu=None, cpu=platform.machine(), torch_threads=torch.get_num_threads())
     info.update(git_state())
     return info
+
+
+def launch_tables_for(gpu_name: str) -> dict[str, str | None]:
+    """Which GPU's entry of each measured launch table serves ``gpu_name`` (None: the built-in defaults); a GPU
+    without its own entry borrows one measured on its die (``kernels.gpu_tables``)."""
+    import json
+
+    from titan_rl_ext.kernels.gpu_tables import table_entry
+
+    out: dict[str, str | None] = {}
+    for name, file in (("bi_gemm", "bi_gemm_tables.json"), ("conv_bwd", "conv_bwd_tables.json")):
+        path = REPO / "titan_rl_ext" / "kernels" / file
+        found = table_entry(json.loads(path.read_text()), gpu_name) if path.exists() else None
+        out[name] = found[0] if found else None
+    return out
 
 
 def git_state() -> dict[str, str | None]:

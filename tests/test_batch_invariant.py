@@ -124,5 +124,10 @@ def test_gemm_tile_table_is_read_per_gpu(tmp_path, monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(tri, "_gpu_name", lambda device: "GPU B")
         assert tri.mm_config(1, torch.bfloat16, cuda) == tri._SMALL_M_CONFIGS[torch.bfloat16][0][1]
         assert tri.mm_config(1, torch.bfloat16) == tri._SMALL_M_CONFIGS[torch.bfloat16][0][1]  # no device
+        # a GPU without an entry takes the one measured on a GPU of its die (an H100 the H200's)
+        path.write_text(json.dumps({**table, "NVIDIA H200": table["GPU A"][:1]}))
+        tri.device_table.cache_clear()
+        monkeypatch.setattr(tri, "_gpu_name", lambda device: "NVIDIA H100 80GB HBM3")
+        assert tri.mm_config(1, torch.bfloat16, cuda) == tri.MMConfig(16, 32, 64, num_stages=8)
     finally:
         tri.device_table.cache_clear()

@@ -196,6 +196,37 @@ def test_conv_backward_launch_table(tmp_path, monkeypatch) -> None:
         ct._bwd_table.cache_clear()
 
 
+def test_gpu_table_entry_own_then_same_die_then_none() -> None:
+    """A launch table's entry for a GPU: its own; else one measured on a GPU cut from the same die (the H100s and
+    the H200 run the same machine code); else none -- never another die's, and none for CPU."""
+    from titan_rl_ext.kernels.gpu_tables import table_entry
+
+    tables = {"NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100"}
+    assert table_entry(tables, "NVIDIA H200") == ("NVIDIA H200", "h200")
+    assert table_entry(tables, "NVIDIA H100 80GB HBM3") == ("NVIDIA H200", "h200")
+    assert table_entry(tables, "NVIDIA GH200 480GB") == ("NVIDIA H200", "h200")
+    assert table_entry({**tables, "NVIDIA H100 PCIe": "pcie"}, "NVIDIA H100 PCIe") == ("NVIDIA H100 PCIe", "pcie")
+    assert table_entry(tables, "NVIDIA A100-SXM4-40GB") is None  # A100 has no family listed: its own entry only
+    assert table_entry(tables, "NVIDIA L40S") is None
+    assert table_entry(tables, "") is None
+    assert table_entry({}, "NVIDIA H100 80GB HBM3") is None
+
+
+def test_shipped_launch_tables_serve_the_h100() -> None:
+    """The lent machines are mostly H100s: the shipped tables (measured on the H200) reach them."""
+    from titan_rl_ext.kernels import conv_triton as ct
+
+    tri = pytest.importorskip("titan_rl_ext.kernels.batch_invariant_triton")
+    tri.device_table.cache_clear()
+    ct._bwd_table.cache_clear()
+    try:
+        assert tri.device_table("NVIDIA H100 80GB HBM3") == tri.device_table("NVIDIA H200") != ()
+        assert ct.bwd_config_for("NVIDIA H100 80GB HBM3") == ct.bwd_config_for("NVIDIA H200") != ct.BWD_DEFAULT
+    finally:
+        tri.device_table.cache_clear()
+        ct._bwd_table.cache_clear()
+
+
 def test_log_softmax_order_reference_counts_each_column_once() -> None:
     """The plain-PyTorch emulation of torch's CUDA log-softmax order (``kernels.log_softmax``): with an "exp" of 1
     everywhere its sum counts the columns, so every column enters exactly once, tail rounds included; with the

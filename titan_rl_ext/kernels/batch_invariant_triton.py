@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl_ext.kernels.gpu_tables import table_entry
+
 # fp32 inputs: full-precision FMA dot (matches torch's default, TF32 off). "tf32" is faster and just as
 # batch invariant, but changes the bits; every process of a run must use the same setting.
 FP32_INPUT_PRECISION = "ieee"
@@ -76,18 +78,20 @@ ROW_BLOCK_D_MAX = 1024
 
 # Per-GPU bf16 tables measured by ``tests/gpu/bi_gemm_tiles.py --table-out``: ``{gpu name: [{"max_m": int,
 # "config": MMConfig fields}, ...]}``, buckets ascending, the last one unbounded. Only configurations that gave the
-# default's bits on every shape at every M on that GPU enter a table, so a table changes speed, not bits; a GPU
-# without an entry uses the defaults above. A trainer and its generators on different GPU models use different
-# tables: their bits agree only where both GPUs round every configuration alike (measured on the H200 only).
+# default's bits on every shape at every M on that GPU enter a table, so a table changes speed, not bits. A GPU
+# without an entry takes the entry of a GPU cut from the same die (an H100 the H200's: the same machine code,
+# so the same bits), else the defaults above.
 TABLES_FILE = Path(__file__).with_name("bi_gemm_tables.json")
 
 
 @functools.lru_cache(maxsize=None)
 def device_table(gpu_name: str) -> tuple[tuple[int, MMConfig], ...]:
-    """The measured bf16 M-bucket table of ``gpu_name`` (empty when none was measured)."""
+    """The measured bf16 M-bucket table that serves ``gpu_name``: its own, else one measured on a GPU of the same
+    die (``kernels.gpu_tables``); empty when there is neither."""
     if not TABLES_FILE.exists():
         return ()
-    entry = json.loads(TABLES_FILE.read_text()).get(gpu_name, [])
+    found = table_entry(json.loads(TABLES_FILE.read_text()), gpu_name)
+    entry = found[1] if found else []
     return tuple((int(row["max_m"]), MMConfig(**row["config"])) for row in entry)
 
 

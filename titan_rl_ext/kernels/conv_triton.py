@@ -27,10 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from titan_rl_ext.kernels.gpu_tables import table_entry
+
 # The backward's launch per GPU model, measured by ``benchmarks/conv_kernels.py --table-out``: ``{gpu name:
 # {"variant", "block_t", "block_c", "num_warps"}}``. Every entry gives dx the default's bits (checked before
 # it is written; dx does not depend on the tiles) and dw within fp32 rounding of it (its per-tile partials
-# follow block_t); a GPU without an entry, and CPU tensors, use BWD_DEFAULT.
+# follow block_t); a GPU without an entry takes that of a GPU cut from the same die (``kernels.gpu_tables``),
+# else, like CPU tensors, BWD_DEFAULT.
 BWD_TABLE_FILE = Path(__file__).with_name("conv_bwd_tables.json")
 BWD_DEFAULT: dict[str, Any] = {"variant": "fused", "block_t": 32, "block_c": 128, "num_warps": 4}
 
@@ -220,10 +223,13 @@ BWD_VARIANTS = ("fused", "two_pass")
 def _bwd_table(gpu_name: str) -> tuple[tuple[str, Any], ...]:
     if not gpu_name or not BWD_TABLE_FILE.exists():
         return ()
-    entry = json.loads(BWD_TABLE_FILE.read_text()).get(gpu_name, {})
+    found = table_entry(json.loads(BWD_TABLE_FILE.read_text()), gpu_name)
+    if found is None:
+        return ()
+    key, entry = found
     unknown = set(entry) - set(BWD_DEFAULT)
     if unknown or entry.get("variant", "fused") not in BWD_VARIANTS:
-        raise ValueError(f"{BWD_TABLE_FILE.name}: bad entry for {gpu_name!r}: {entry}")
+        raise ValueError(f"{BWD_TABLE_FILE.name}: bad entry for {key!r}: {entry}")
     return tuple(entry.items())
 
 

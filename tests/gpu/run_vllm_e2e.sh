@@ -3,6 +3,8 @@
 # fla-core's wheel in .whl/: the plugin inside real vLLM on checkpoints with the real Qwen3.5-9B and
 # Qwen3.5-35B-A3B layer shapes (4 layers: 3 GDN + 1 gated attention; real vocabulary; random bf16 weights).
 #   bash tests/gpu/run_vllm_e2e.sh setup    # install the package + FLA, build the checkpoints on the GPU (SKIP_MOE / SKIP_VLM=1: fewer)
+#   bash tests/gpu/run_vllm_e2e.sh setup_bg # the same, started in the background and returned from at once: run it in
+#                                           # the vLLM staging command (it needs no vLLM); a later stage waits for it
 #   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off (PARITY_BI_ONLY=1: on), prefix caching + split prefills, both shapes
 #                                           # (the engine as shipped: full decode CUDA graphs; PARITY_EAGER=1: --enforce-eager)
 #   bash tests/gpu/run_vllm_e2e.sh graphs   # tests/gpu/vllm_graphs.py: BI bits under every capture size = eager
@@ -28,6 +30,22 @@ triton_autotune_restore
 trap 'triton_autotune_save "$out"' EXIT
 what=${1:-all}
 
+if [[ $what == setup_bg ]]; then
+    # setsid: a process in its own session outlives this command while the machine stays up; its output goes under
+    # /tmp, not $OUT (a device call's $OUT is gone once the call has replied)
+    [ -f $ck/.setup-done ] && { echo "checkpoints already built"; trap - EXIT; exit 0; }
+    touch $ck/.setup-running
+    OUT=/tmp/e2e-setup setsid nohup bash -c "bash '$0' setup > /tmp/e2e-setup.log 2>&1; rm -f $ck/.setup-running" \
+        > /dev/null 2>&1 < /dev/null &
+    trap - EXIT
+    echo "setup started in the background (log: /tmp/e2e-setup.log)"; exit 0
+fi
+if [[ $what != setup && $what != all && -f $ck/.setup-running ]]; then  # a setup_bg build still running
+    t=$(date +%s)
+    while [ -f $ck/.setup-running ]; do sleep 2; done
+    echo "waited $(( $(date +%s) - t )) s for the background setup: $(tail -1 /tmp/e2e-setup.log)"
+fi
+
 if [[ $what == setup || $what == all ]]; then
     # the plugin must be *installed* (entry point), not only importable
     python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/titan-site . || exit 1
@@ -40,6 +58,7 @@ if [[ $what == setup || $what == all ]]; then
     [ -f $ck/dense_vlm/config.json ] || [ -n "${SKIP_VLM:-}" ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
         --layout vlm --dtype bfloat16 --device cuda --out $ck/dense_vlm > "$out/make_dense_vlm.log" 2>&1 || { tail -5 "$out/make_dense_vlm.log"; exit 1; }
     echo "checkpoints built in $(( $(date +%s) - t )) s: $(du -sh $ck/* | tr '\n' ' ')"
+    touch $ck/.setup-done
 fi
 
 parity() {  # name, args...

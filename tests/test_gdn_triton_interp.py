@@ -278,6 +278,69 @@ def _check_fused_prep() -> None:
     assert torch.equal(torch.cat(outs), o[7:]) and torch.equal(state[0], s[1])
 
 
+def _check_layer_prep_in_kernel() -> None:
+    """Non-BI decode through the engine's rule kernel hands the kernel raw q/k/a/b (it forms the l2norms and
+    gates itself, three launches fewer per layer): the layer's output and cache agree with the separate kernels'
+    path; BI steps, prefill-sized steps, caches with non-contiguous slots and unbound kernels keep the separate
+    kernels (a BI step must give the trainer's bits, and the fused l2norm sums in another order).
+    Tolerance: the interpreter truncates the kernel's beta to bf16 where ``rows.gdn_gates`` rounds (see
+    ``_check_fused_prep``), one bf16 ulp of beta, which moves the state by up to ~4e-3 per step."""
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.qwen3_5 import gdn as layer
+
+    cfg = layer.GDNConfig(n_k_heads=H, n_v_heads=HV, k_head_dim=K, v_head_dim=V)
+    torch.manual_seed(0)
+    net = layer.GatedDeltaNet(32, cfg, 1e-6).bfloat16()
+    kern = layer.CachedStateRuleKernel(net.rule_kernel)
+    net.rule_kernel = kern
+    n = 3
+    x = torch.randn(n, 32).bfloat16()
+    seq = SeqBatch(cu_seqlens=torch.arange(n + 1, dtype=torch.int32), positions=torch.zeros(n, dtype=torch.long),
+                   max_seqlen=1)
+    conv0 = (torch.randn(n, *cfg.conv_state_shape()) * 0.1).bfloat16()
+    cache0 = torch.randn(5, HV, K, V) * 0.1
+    slots, keep = torch.tensor([3, 1, 4]), torch.tensor([True, True, False])
+    forced, l2norm = layer.runs_titan_recurrent, layer.rows.l2norm
+    norms = []
+    layer.runs_titan_recurrent = lambda *a: True  # the dispatch asks for CUDA
+    layer.rows.l2norm = lambda t, *a: norms.append(1) or l2norm(t, *a)
+    try:
+        results = {}
+        for fused in (True, False):
+            cache, norms[:] = cache0.clone(), []
+            if not fused:
+                kern.prep_in_kernel = lambda *a: False
+            kern.bind(slots, keep)
+            try:
+                with torch.no_grad():
+                    y, st = net(x, seq, layer.GDNState(conv0.clone(), cache))
+            finally:
+                kern.unbind()
+                if not fused:
+                    del kern.prep_in_kernel
+            assert st.ssm is cache and torch.equal(cache[[0, 2]], cache0[[0, 2]])
+            assert len(norms) == (0 if fused else 2), norms  # the separate l2norms ran only without the fusion
+            results[fused] = (y, cache[slots])
+        (y1, s1), (y2, s2) = results[True], results[False]
+        torch.testing.assert_close(s1, s2, rtol=0, atol=4e-3)
+        torch.testing.assert_close(y1.float(), y2.float(), rtol=2 * 2.0**-7, atol=4e-3)  # bf16: two ulps
+        assert not torch.equal(s1, s2)  # a different rounding, so the fused path did run
+        q, v = torch.zeros(n, H, K), torch.zeros(n, HV, V)
+        assert not kern.prep_in_kernel(q, v, cache0)  # unbound
+        kern.bind(slots, keep)
+        assert kern.prep_in_kernel(q, v, cache0)
+        with bi.batch_invariant(True):
+            assert not kern.prep_in_kernel(q, v, cache0)
+        assert not kern.prep_in_kernel(torch.zeros(3 * n, H, K), torch.zeros(3 * n, HV, V), cache0)
+        assert not kern.prep_in_kernel(q, v, cache0.transpose(2, 3))
+        kern.unbind()
+    finally:
+        layer.runs_titan_recurrent, layer.rows.l2norm = forced, l2norm
+
+
 def _check_dispatch_and_errors() -> None:
     import torch
 
@@ -305,7 +368,8 @@ def _check_dispatch_and_errors() -> None:
 
 def _main() -> None:
     run_checks((_check_values, _check_splits_and_decode, _check_batch_invariance_and_views, _check_state_slots,
-                _check_cached_state_rule_kernel, _check_fused_prep, _check_dispatch_and_errors))
+                _check_cached_state_rule_kernel, _check_fused_prep, _check_layer_prep_in_kernel,
+                _check_dispatch_and_errors))
 
 
 if __name__ == "__main__":

@@ -125,6 +125,44 @@ class CachedStateRuleKernel(nn.Module):
     def unbind(self) -> None:
         self._slots = self._keep = None
 
+    def prep_in_kernel(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
+        """Whether this call should take raw q/k/a/b (``forward_raw``) and leave the l2norms and gates to the
+        project's kernel, three launches fewer per layer: non-BI decode-sized calls that the kernel runs on a bound
+        cache it updates in place. Never under BI: the kernel sums the l2norm in another order than the layer's
+        own kernel does, and a BI step must give the trainer's bits. At prefill sizes the separate kernels are
+        faster (``benchmarks/gdn_recurrent.py``: ``titan_prep`` vs ``titan_unfused``)."""
+        slots = self._slots
+        if slots is None or state is None or bi.is_batch_invariant() or self.base.backend != "auto":
+            return False
+        n = slots.shape[0]
+        if q_THK.shape[0] > 2 * n or not runs_titan_recurrent(q_THK, n, self.base.mode, False):
+            return False
+        from titan_rl_ext.kernels.gdn_triton import slotted_state_ok
+
+        return slotted_state_ok(state, v_THV.shape[1], q_THK.shape[2], v_THV.shape[2])
+
+    def forward_raw(
+        self,
+        q_raw_THK: torch.Tensor,
+        k_raw_THK: torch.Tensor,
+        v_THV: torch.Tensor,
+        a_TH: torch.Tensor,
+        b_TH: torch.Tensor,
+        A_log_H: torch.Tensor,
+        dt_bias_H: torch.Tensor,
+        batch: SeqBatch,
+        scale: float,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step where ``prep_in_kernel`` said so: q/k before their l2norm, the projection's ``a``/``b``."""
+        from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
+
+        if self._slots is None:
+            raise RuntimeError("forward_raw needs the step's slots bound (prep_in_kernel says when)")
+        return gated_delta_rule_recurrent(q_raw_THK, k_raw_THK, v_THV, a_TH, b_TH, batch.cu_seqlens, scale, state,
+                                          state_slots=self._slots, state_keep=self._keep, A_log=A_log_H,
+                                          dt_bias=dt_bias_H, norm_qk=True)
+
     def forward(
         self,
         q_THK: torch.Tensor,
@@ -199,15 +237,19 @@ class GatedDeltaNet(nn.Module):
             mixed_TC, self.conv_weight.to(x_TD.dtype).squeeze(1), batch, None if state is None else state.conv
         )
         q, k, v = torch.split(qkv_TC, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        # fp32, read in place from the conv output (head views of a [T, conv_dim] buffer)
-        q_THK = rows.l2norm(q.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
-        k_THK = rows.l2norm(k.reshape(T, cfg.n_k_heads, cfg.k_head_dim))
+        # head views of a [T, conv_dim] buffer, read in place
+        q_raw = q.reshape(T, cfg.n_k_heads, cfg.k_head_dim)
+        k_raw = k.reshape(T, cfg.n_k_heads, cfg.k_head_dim)
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
-        g_TH, beta_TH = rows.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias.to(x_TD.dtype))
-        o_THV, ssm_state = self.rule_kernel(
-            q_THK, k_THK, v_THV, g_TH, beta_TH, batch,
-            cfg.k_head_dim**-0.5, None if state is None else state.ssm,
-        )
+        scale = cfg.k_head_dim**-0.5
+        ssm = None if state is None else state.ssm
+        rule = self.rule_kernel
+        if isinstance(rule, CachedStateRuleKernel) and rule.prep_in_kernel(q_raw, v_THV, ssm):
+            o_THV, ssm_state = rule.forward_raw(q_raw, k_raw, v_THV, a_TH, b_TH, self.A_log,
+                                                self.dt_bias.to(x_TD.dtype), batch, scale, ssm)
+        else:
+            g_TH, beta_TH = rows.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias.to(x_TD.dtype))
+            o_THV, ssm_state = rule(rows.l2norm(q_raw), rows.l2norm(k_raw), v_THV, g_TH, beta_TH, batch, scale, ssm)
         z_THV = z_TF.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
         o_TF = self.norm(o_THV.to(x_TD.dtype), z_THV).reshape(T, cfg.value_dim)
         new_state = None if state is None else GDNState(conv_state, ssm_state)

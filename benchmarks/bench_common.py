@@ -174,11 +174,12 @@ def launch_tables_for(gpu_name: str) -> dict[str, str | None]:
     without its own entry borrows one measured on its die (``kernels.gpu_tables``)."""
     import json
 
+    from titan_rl_ext.kernels.batch_invariant_triton import TABLES_FILE
+    from titan_rl_ext.kernels.conv_triton import BWD_TABLE_FILE
     from titan_rl_ext.kernels.gpu_tables import table_entry
 
     out: dict[str, str | None] = {}
-    for name, file in (("bi_gemm", "bi_gemm_tables.json"), ("conv_bwd", "conv_bwd_tables.json")):
-        path = REPO / "titan_rl_ext" / "kernels" / file
+    for name, path in (("bi_gemm", TABLES_FILE), ("conv_bwd", BWD_TABLE_FILE)):
         found = table_entry(json.loads(path.read_text()), gpu_name) if path.exists() else None
         out[name] = found[0] if found else None
     return out

@@ -231,7 +231,7 @@ def main() -> int:
                            "ratio": r["tokens_per_s"] / base["tokens_per_s"], "bi_ms": r["ms"], "nonbi_ms": base["ms"]})
     results["ratios"] = ratios
     # the recurrent kernels against each other: *_fla over the default (the project's), and BI with FLA's over non-BI
-    results["ratios_rec"] = [
+    results["ratios_fla"] = [
         {"phase": r["phase"], "B": r["B"], "mode": r["mode"],
          "over_default": r["tokens_per_s"] / by[(r["phase"], r["B"], r["mode"][:-4])]["tokens_per_s"],
          **({"bi_fla_over_nonbi": r["tokens_per_s"] / by[(r["phase"], r["B"], "nonbi")]["tokens_per_s"]}
@@ -248,9 +248,9 @@ def main() -> int:
                            ("tflops", "useful TF/s", ".1f"), ("gbs", "minIO GB/s", ".0f")]))
     print("RATIOS BI/non-BI throughput: " + "; ".join(f"{r['phase']} B={r['B']} {r['ratio']:.3f}" for r in ratios))
     print("RATIOS FLA's recurrent GDN kernel / the project's: " + "; ".join(
-        f"{r['mode']} {r['phase']} B={r['B']} {r['over_default']:.3f}" for r in results["ratios_rec"]))
+        f"{r['mode']} {r['phase']} B={r['B']} {r['over_default']:.3f}" for r in results["ratios_fla"]))
     print("RATIOS BI (FLA recurrent)/non-BI: " + "; ".join(
-        f"{r['phase']} B={r['B']} {r['bi_fla_over_nonbi']:.3f}" for r in results["ratios_rec"] if r["mode"] == "bi_fla"))
+        f"{r['phase']} B={r['B']} {r['bi_fla_over_nonbi']:.3f}" for r in results["ratios_fla"] if r["mode"] == "bi_fla"))
     print("checks: " + json.dumps(checks))
     ok = all(checks[f"prefill_order_{m}_identical"] and checks[f"decode_seq0_{m}_identical_across_B"] for m in ("bi", "bi_fla"))
     if not ok:

@@ -33,7 +33,8 @@ what=${1:-all}
 if [[ $what == setup_bg ]]; then
     # setsid: a process in its own session outlives this command while the machine stays up; its output goes under
     # /tmp, not $OUT (a device call's $OUT is gone once the call has replied)
-    [ -f $ck/.setup-done ] && { echo "checkpoints already built"; trap - EXIT; exit 0; }
+    # (setup itself skips every checkpoint already built)
+    [ -f $ck/.setup-running ] && { echo "a background setup is already running"; trap - EXIT; exit 0; }
     touch $ck/.setup-running
     OUT=/tmp/e2e-setup setsid nohup bash -c "bash '$0' setup > /tmp/e2e-setup.log 2>&1; rm -f $ck/.setup-running" \
         > /dev/null 2>&1 < /dev/null &
@@ -58,7 +59,6 @@ if [[ $what == setup || $what == all ]]; then
     [ -f $ck/dense_vlm/config.json ] || [ -n "${SKIP_VLM:-}" ] || python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 4 \
         --layout vlm --dtype bfloat16 --device cuda --out $ck/dense_vlm > "$out/make_dense_vlm.log" 2>&1 || { tail -5 "$out/make_dense_vlm.log"; exit 1; }
     echo "checkpoints built in $(( $(date +%s) - t )) s: $(du -sh $ck/* | tr '\n' ' ')"
-    touch $ck/.setup-done
 fi
 
 parity() {  # name, args...

@@ -131,11 +131,16 @@ class CachedStateRuleKernel(nn.Module):
         cache it updates in place. Never under BI: the kernel sums the l2norm in another order than the layer's
         own kernel does, and a BI step must give the trainer's bits. At prefill sizes the separate kernels are
         faster (``benchmarks/gdn_recurrent.py``: ``titan_prep`` vs ``titan_unfused``)."""
+        return (self._slots is not None and not bi.is_batch_invariant() and q_THK.shape[0] <= 2 * self._slots.shape[0]
+                and self._in_place(q_THK, v_THV, state, self.base.mode))
+
+    def _in_place(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None, mode: GDNMode) -> bool:
+        """Whether the project's kernel runs this call on the bound cache, reading and writing the slots in place
+        (else the slots are gathered for ``base`` and the engine scatters the result)."""
         slots = self._slots
-        if slots is None or state is None or bi.is_batch_invariant() or self.base.backend != "auto":
+        if slots is None or state is None or self.base.backend != "auto":
             return False
-        n = slots.shape[0]
-        if q_THK.shape[0] > 2 * n or not runs_titan_recurrent(q_THK, n, self.base.mode, False):
+        if not runs_titan_recurrent(q_THK, slots.shape[0], mode, False):
             return False
         from titan_rl_ext.kernels.gdn_triton import slotted_state_ok
 
@@ -178,12 +183,11 @@ class CachedStateRuleKernel(nn.Module):
         if slots is None or state is None:  # no cache bound (a profiling run): the plain kernel
             return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
-        if self.base.backend == "auto" and runs_titan_recurrent(q_THK, slots.shape[0], mode, False):
-            from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent, slotted_state_ok
+        if self._in_place(q_THK, v_THV, state, mode):
+            from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
 
-            if slotted_state_ok(state, v_THV.shape[1], q_THK.shape[2], v_THV.shape[2]):
-                return gated_delta_rule_recurrent(q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, state,
-                                                  state_slots=slots, state_keep=keep)
+            return gated_delta_rule_recurrent(q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, state,
+                                              state_slots=slots, state_keep=keep)
         ssm0 = state.index_select(0, slots.long()).float()
         if keep is not None:
             # a recycled slot holds another request's (or uninitialised) state: where, not multiply

@@ -256,6 +256,75 @@ def _check_conv() -> None:
         assert torch.equal(yd, yfull[-1:]) and torch.equal(fd, ffull)
 
 
+def _check_conv_cache_slots() -> None:
+    """The conv on an engine's cache by slot (``state_slots``): the kernel reads each sequence's state from its slot
+    (zeros where ``state_keep`` is false) and writes the final state back in place -- the same bits as gathering
+    the states, running the kernel and scattering, and no other cache byte moves; a slot stride wider than a state
+    (vLLM's shared mamba pages) is read through. The dispatcher's fallback (gather, kernel, scatter) where the
+    kernel cannot work in place (a cache dtype other than the activations') gives those bits too."""
+    import torch
+
+    from titan_rl_ext.kernels import conv as cv
+    from titan_rl_ext.kernels.conv_triton import causal_conv1d_triton
+
+    g = torch.Generator().manual_seed(5)
+    C, W, S = 192, 4, 11
+    lengths = [5, 0, 1, 40, 2, 1, 33]  # an empty sequence keeps (or zeroes) its state
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    T, N = int(cu[-1]), len(lengths)
+    slots = torch.tensor([7, 2, 9, 0, 4, 10, 5])
+    keep = torch.tensor([True, True, False, True, True, False, True])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(T, C + 64, generator=g).to(dtype)[:, 32 : 32 + C]
+        w = (torch.randn(C, W, generator=g) * 0.5).to(dtype)
+        pages = torch.randn(S, W + 1, C, generator=g).to(dtype)  # a slot's page: its W-1 rows and two more
+        cache = pages[:, 1:W]
+        before = pages.clone()
+        st = torch.where(keep[:, None, None], cache[slots], torch.zeros(N, W - 1, C, dtype=dtype))
+        for k in (keep, None):
+            pages.copy_(before)
+            y_ref, fin_ref = causal_conv1d_triton(x, w, cu, None, st if k is not None else cache[slots])
+            y, fin = causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots, state_keep=k)
+            assert fin is cache and torch.equal(y, y_ref) and torch.equal(cache[slots], fin_ref)
+            moved = torch.zeros(S, dtype=torch.bool)
+            moved[slots] = True
+            assert torch.equal(pages[~moved], before[~moved])
+            assert torch.equal(pages[:, 0], before[:, 0]) and torch.equal(pages[:, W:], before[:, W:])
+        # the dispatcher, the kernel forced on (it asks for CUDA): in place, and through its fallback for a cache
+        # in another dtype, the kernel's bits both ways
+        forced = cv._on_kernel
+        cv._on_kernel = lambda x: True
+        try:
+            pages.copy_(before)
+            y1, _ = cv.causal_conv1d(x, w, cu, None, cache, "silu", state_slots=slots, state_keep=keep)
+            want = cache[slots].clone()
+            wide_cache = before[:, 1:W].double()
+            y2, c2 = cv.causal_conv1d(x, w, cu, None, wide_cache, "silu", state_slots=slots, state_keep=keep)
+        finally:
+            cv._on_kernel = forced
+        y_k, _ = causal_conv1d_triton(x, w, cu, None, st)
+        assert c2 is wide_cache and torch.equal(y1, y_k) and torch.equal(y2, y_k)
+        assert torch.equal(c2[slots].to(dtype), want)
+        # on CPU the dispatcher gathers for the torch conv: values to the kernel's tolerance, states exact
+        pages.copy_(before)
+        y3, c3 = cv.causal_conv1d(x, w, cu, None, cache, "silu", state_slots=slots, state_keep=keep)
+        _close(y3, y_k)
+        assert c3 is cache and torch.equal(cache[slots], want)
+    for bad in (dict(state_slots=slots[:3]), dict(state_slots=slots, state_keep=keep[:2])):
+        try:
+            causal_conv1d_triton(x, w, cu, None, cache, **bad)
+        except ValueError as e:
+            assert "[N=7]" in str(e), e
+        else:
+            raise AssertionError(f"accepted {bad}")
+    try:
+        causal_conv1d_triton(x, w, cu, None, cache.float(), state_slots=slots)
+    except ValueError as e:
+        assert "conv cache" in str(e), e
+    else:
+        raise AssertionError("accepted a cache in another dtype for the in-place kernel")
+
+
 def _check_conv_backward() -> None:
     """The conv's backward kernel (training: no state, no bias) against the gradient of ``causal_conv1d_torch``:
     fp32 to 1e-5 relative; bf16 dx within two bf16 ulps of the float64 gradient (one fp32 sum rounded once --
@@ -459,7 +528,7 @@ def _check_grouped_mm() -> None:
 
 def _main() -> None:
     run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_row_backward, _check_conv,
-                _check_conv_backward, _check_head_grad, _check_log_softmax_stats, _check_grouped_mm))
+                _check_conv_cache_slots, _check_conv_backward, _check_head_grad, _check_log_softmax_stats, _check_grouped_mm))
 
 
 if __name__ == "__main__":

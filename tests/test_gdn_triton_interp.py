@@ -341,6 +341,60 @@ def _check_layer_prep_in_kernel() -> None:
         layer.runs_titan_recurrent, layer.rows.l2norm = forced, l2norm
 
 
+def _check_layer_on_engine_caches() -> None:
+    """The GDN layer as the vLLM wrapper runs it -- both caches handed over whole, the step's slots bound to its
+    conv and rule kernels, the kernels reading and writing the slots in place (forced here: the dispatch asks for
+    CUDA) -- gives the bits of the layer run on states gathered from the slots (zeros where a slot holds no prior
+    state), and the caches hold those final states at the slots and nothing else changed. BI mode: the trainer's
+    kernels, so the check is exact."""
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.kernels import conv as cv
+    from titan_rl_ext.kernels import gdn as gdn_kernels
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.qwen3_5 import gdn as layer
+
+    cfg = layer.GDNConfig(n_k_heads=H, n_v_heads=HV, k_head_dim=K, v_head_dim=V)
+    torch.manual_seed(1)
+    net = layer.GatedDeltaNet(32, cfg, 1e-6).bfloat16()
+    plain = (net.conv_kernel, net.rule_kernel)
+    engine = (layer.CachedStateConvKernel(net.conv_kernel), layer.CachedStateRuleKernel(net.rule_kernel))
+    lens = [3, 1, 2]  # a prefill chunk and decodes
+    T = sum(lens)
+    x = torch.randn(T, 32).bfloat16()
+    seq = SeqBatch(cu_seqlens=torch.tensor([0, 3, 4, 6], dtype=torch.int32),
+                   positions=torch.zeros(T, dtype=torch.long), max_seqlen=3)
+    conv0 = (torch.randn(6, *cfg.conv_state_shape()) * 0.5).bfloat16()
+    ssm0 = torch.randn(6, HV, K, V) * 0.1
+    slots, keep = torch.tensor([3, 1, 4]), torch.tensor([True, False, True])
+    forced = cv._on_kernel, layer.runs_titan_recurrent, gdn_kernels.runs_titan_recurrent
+    cv._on_kernel = lambda x: True
+    layer.runs_titan_recurrent = gdn_kernels.runs_titan_recurrent = lambda *a: True
+    try:
+        with torch.no_grad(), bi.batch_invariant(True):
+            net.conv_kernel, net.rule_kernel = engine
+            conv_cache, ssm_cache = conv0.clone(), ssm0.clone()
+            for kernel in engine:
+                kernel.bind(slots, keep)
+            try:
+                y, st = net(x, seq, layer.GDNState(conv_cache, ssm_cache))
+            finally:
+                for kernel in engine:
+                    kernel.unbind()
+            assert st.conv is conv_cache and st.ssm is ssm_cache
+            net.conv_kernel, net.rule_kernel = plain
+            m = keep[:, None, None]
+            gathered = layer.GDNState(torch.where(m, conv0[slots], 0).bfloat16(), torch.where(m[..., None], ssm0[slots], 0))
+            y_ref, st_ref = net(x, seq, gathered)
+    finally:
+        cv._on_kernel, layer.runs_titan_recurrent, gdn_kernels.runs_titan_recurrent = forced
+    assert torch.equal(y, y_ref)
+    assert torch.equal(conv_cache[slots], st_ref.conv) and torch.equal(ssm_cache[slots], st_ref.ssm)
+    rest = [0, 2, 5]
+    assert torch.equal(conv_cache[rest], conv0[rest]) and torch.equal(ssm_cache[rest], ssm0[rest])
+
+
 def _check_dispatch_and_errors() -> None:
     import torch
 
@@ -369,7 +423,7 @@ def _check_dispatch_and_errors() -> None:
 def _main() -> None:
     run_checks((_check_values, _check_splits_and_decode, _check_batch_invariance_and_views, _check_state_slots,
                 _check_cached_state_rule_kernel, _check_fused_prep, _check_layer_prep_in_kernel,
-                _check_dispatch_and_errors))
+                _check_layer_on_engine_caches, _check_dispatch_and_errors))
 
 
 if __name__ == "__main__":

@@ -84,3 +84,24 @@ def test_conv_backward_kernels_fused_and_two_pass() -> None:
     assert [launch.kernel for launch in launches] == list(kernels)
     for launch in launches:
         _cubin(launch)
+
+
+def test_conv_forward_and_state_kernels_with_cache_slots() -> None:
+    """The conv's forward and state kernels in each state form: none, gathered states, an engine cache read and
+    written by slot (the in-place form, with its barrier between the state tile's loads and stores), with and
+    without the recycled-slot mask."""
+    from titan_rl_ext.kernels import conv_triton as ct
+
+    x, w = torch.randn(9, 160).bfloat16(), torch.randn(160, 4).bfloat16()
+    cu = torch.tensor([0, 1, 2, 9], dtype=torch.int32)
+    cache = torch.zeros(6, 3, 160).bfloat16()
+    slots, keep = torch.tensor([4, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
+    with record_launches(ct._conv_fwd_kernel, ct._conv_state_kernel) as launches:
+        ct.causal_conv1d_triton(x, w, cu)
+        ct.causal_conv1d_triton(x, w, cu, None, cache[:3])
+        ct.causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots)
+        ct.causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots, state_keep=keep)
+    flags = [(launch.args["HAS_STATE"], launch.args["SLOTS"], launch.args["KEEP"]) for launch in launches]
+    assert flags == [(False, False, False)] * 2 + [(True, False, False)] * 2 + [(True, True, False)] * 2 + [(True, True, True)] * 2
+    for launch in launches:
+        _cubin(launch)

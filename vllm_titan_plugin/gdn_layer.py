@@ -1,11 +1,11 @@
 """A titan Gated DeltaNet layer as a vLLM Mamba-type layer: vLLM owns the state, titan does the math.
 
 vLLM allocates one (conv, ssm) state slot per request (per block in align-mode prefix caching) and
-hands each step the slot of every request plus whether it already holds state. The wrapper gathers the
-conv slots, zeroes the ones without prior state, runs the unchanged titan layer on the step's tokens
-(decodes first, then prefills -- any mix, prefills possibly split across steps) and scatters the new
-conv states back; the ssm state goes to the layer's rule kernel as the whole cache with the step's slots
-bound (``CachedStateRuleKernel``), which updates it in place where its kernel can and gathers otherwise.
+hands each step the slot of every request plus whether it already holds state. The wrapper runs the
+unchanged titan layer on the step's tokens (decodes first, then prefills -- any mix, prefills possibly split
+across steps) with both caches handed over whole and the step's slots bound to the layer's two sequence
+kernels (``CachedStateConvKernel``, ``CachedStateRuleKernel``): each reads and writes its state by slot, in
+place where its kernel can (else it gathers the slots, zeroing those without prior state, and scatters back).
 Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
 """
 
@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 
 from titan_rl_ext.models.common.batch import SeqBatch
-from titan_rl_ext.models.qwen3_5.gdn import CachedStateRuleKernel, GatedDeltaNet, GDNConfig, GDNState
+from titan_rl_ext.models.qwen3_5.gdn import (
+    CachedStateConvKernel, CachedStateRuleKernel, GatedDeltaNet, GDNConfig, GDNState,
+)
 from vllm_titan_plugin import compat
 
 # attribute under which the wrapper holds the titan layer (parameter names gain this segment)
@@ -48,6 +50,8 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
 
     def __init__(self, layer: GatedDeltaNet, *, prefix: str, state_dtypes: tuple[torch.dtype, torch.dtype]) -> None:
         super().__init__()
+        if not isinstance(layer.conv_kernel, CachedStateConvKernel):
+            layer.conv_kernel = CachedStateConvKernel(layer.conv_kernel)
         if not isinstance(layer.rule_kernel, CachedStateRuleKernel):
             layer.rule_kernel = CachedStateRuleKernel(layer.rule_kernel)
         setattr(self, INNER, layer)
@@ -92,29 +96,27 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
         n_seqs = cu_seqlens.numel() - 1
         slots = md.non_spec_state_indices_tensor[:n_seqs].long()
         conv_cache, ssm_cache = compat.mamba_state_tensors(self)
-
-        conv0 = conv_cache.index_select(0, slots).to(x_TD.dtype)
         has_initial = md.has_initial_state  # None: every request continues (decode-only step)
-        keep = None
-        if has_initial is not None:
-            # a recycled slot holds another request's (or uninitialised) state: where, not multiply
-            keep = has_initial[:n_seqs].to(torch.bool)
-            conv0 = torch.where(keep[:, None, None], conv0, torch.zeros_like(conv0))
+        # a recycled slot holds another request's (or uninitialised) state: the kernels start it from zeros
+        keep = None if has_initial is None else has_initial[:n_seqs].to(torch.bool)
 
         seq = SeqBatch(
             cu_seqlens=cu_seqlens.to(torch.int32),
             positions=batch.positions[:T],
             max_seqlen=T,  # an upper bound: the exact value would cost a host sync every layer
         )
-        # the ssm state goes in as the whole cache: the rule kernel reads and writes the slots in place where
-        # its kernel can (returning the cache), or gathers them and returns the N new states to scatter here
-        rule = self.layer.rule_kernel
-        rule.bind(slots, keep)
+        # both caches go in whole: the sequence kernels read and write this step's slots (in place where their
+        # kernels can); the rule kernel may instead return the N new ssm states, scattered here
+        kernels = (self.layer.conv_kernel, self.layer.rule_kernel)
+        for kernel in kernels:
+            kernel.bind(slots, keep)
         try:
-            y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv0, ssm_cache))
+            y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv_cache, ssm_cache))
         finally:
-            rule.unbind()
-        conv_cache.index_copy_(0, slots, new.conv.to(conv_cache.dtype))
+            for kernel in kernels:
+                kernel.unbind()
+        if new.conv is not conv_cache:
+            raise RuntimeError(f"{type(self.layer.conv_kernel).__name__} did not update the conv cache by slot")
         if new.ssm is not ssm_cache:
             ssm_cache.index_copy_(0, slots, new.ssm.to(ssm_cache.dtype))
 

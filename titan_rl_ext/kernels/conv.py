@@ -132,6 +132,14 @@ def _kernels() -> Any:
     return conv_triton
 
 
+def _on_kernel(x_TC: torch.Tensor) -> bool:
+    """Whether ``causal_conv1d`` runs the Triton kernel for this input: on CUDA, triton importable, the fused
+    kernels not switched off (``TITAN_FUSED_KERNELS``)."""
+    from titan_rl_ext.kernels.rows import fused_switched_on
+
+    return x_TC.is_cuda and fused_switched_on() and _kernels() is not None
+
+
 class _ConvKernelForwardBackward(torch.autograd.Function):
     """The Triton conv with its own backward kernel (no initial state, no bias: the trainer's call). A gradient
     reaching the final states (never, in training) is taken through ``causal_conv1d_torch`` instead."""
@@ -169,14 +177,27 @@ def causal_conv1d(
     bias_C: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    *,
+    state_slots: torch.Tensor | None = None,
+    state_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's conv: one Triton launch (plus one for the states) on CUDA, ``causal_conv1d_torch``
     elsewhere. Differentiable on both: on CUDA without initial state or bias (training) by the backward kernel
-    (``TITAN_FUSED_BACKWARD=0``: by ``causal_conv1d_torch``'s gradient at the same inputs, as otherwise)."""
-    from titan_rl_ext.kernels.rows import fused_backward_on, fused_switched_on, kernel_with_reference_grad
+    (``TITAN_FUSED_BACKWARD=0``: by ``causal_conv1d_torch``'s gradient at the same inputs, as otherwise).
 
-    k = _kernels()
-    if k is None or not x_TC.is_cuda or not fused_switched_on():
+    ``state_slots [N]``: ``initial_state`` is an engine's conv cache ``[S, W-1, C]``; sequence n starts from cache
+    row ``state_slots[n]`` (zeros where ``state_keep[n]`` is false), its final state is written back there, and
+    the cache is returned as the state. The Triton kernel does it in place where it can
+    (``conv_triton.slotted_conv_state_ok``, no gradient); otherwise the states are gathered (cast to x's dtype),
+    run as above, and scattered back: on one device, the same bits either way."""
+    from titan_rl_ext.kernels.rows import fused_backward_on, kernel_with_reference_grad
+
+    k = _kernels() if _on_kernel(x_TC) else None
+    if state_slots is not None:
+        return _slotted(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation, state_slots, state_keep, k)
+    if state_keep is not None:
+        raise ValueError("state_keep goes with state_slots")
+    if k is None:
         return causal_conv1d_torch(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation)
     _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
     grad = torch.is_grad_enabled() and (x_TC.requires_grad or weight_CW.requires_grad)
@@ -191,3 +212,28 @@ def causal_conv1d(
         return causal_conv1d_torch(x, w, cu_seqlens, b, s, activation)
 
     return kernel_with_reference_grad(run, ref, x_TC, weight_CW, bias_C, initial_state)
+
+
+def _slotted(
+    x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor, bias_C: torch.Tensor | None,
+    cache: torch.Tensor | None, activation: str | None, slots: torch.Tensor, keep: torch.Tensor | None, k: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_conv1d`` on an engine's conv cache by slot (see there)."""
+    W, N = weight_CW.shape[1], cu_seqlens.numel() - 1
+    if cache is None or cache.dim() != 3 or tuple(cache.shape[1:]) != (W - 1, x_TC.shape[1]):
+        raise ValueError(f"state_slots need initial_state as a conv cache [S, {W - 1}, {x_TC.shape[1]}]; got "
+                         f"{None if cache is None else tuple(cache.shape)}")
+    if slots.shape != (N,) or (keep is not None and keep.shape != (N,)):
+        raise ValueError(f"state_slots and state_keep must be [N={N}]")
+    grad = torch.is_grad_enabled() and (x_TC.requires_grad or weight_CW.requires_grad or cache.requires_grad)
+    if k is not None and not grad and k.slotted_conv_state_ok(cache, x_TC, W):
+        return k.causal_conv1d_triton(x_TC, weight_CW, cu_seqlens, bias_C, cache, activation,
+                                      state_slots=slots, state_keep=keep)
+    idx = slots.long()
+    s0 = cache.index_select(0, idx).to(x_TC.dtype)
+    if keep is not None:
+        # a recycled slot holds another request's (or uninitialised) state: where, not multiply
+        s0 = torch.where(keep.to(torch.bool)[:, None, None], s0, torch.zeros_like(s0))
+    y, final = causal_conv1d(x_TC, weight_CW, cu_seqlens, bias_C, s0, activation)
+    cache.index_copy_(0, idx, final.to(cache.dtype))
+    return y, cache

@@ -52,12 +52,26 @@ def _seq_of(cu_ptr, t, N, SEARCH_STEPS: tl.constexpr):
     return n
 
 
+@triton.jit
+def _state_row0(n, slot_ptr, keep_ptr, live, stride_s, SLOTS: tl.constexpr, KEEP: tl.constexpr):
+    """Offset of sequence ``n``'s state (its first row) and whether it holds one: row ``n`` of a ``[N, W-1, C]``
+    state, or with ``SLOTS`` the cache row ``slot[n]``, empty where ``keep[n]`` is false (a recycled slot)."""
+    if SLOTS:
+        idx = tl.load(slot_ptr + n, mask=live, other=0).to(tl.int64)
+    else:
+        idx = n.to(tl.int64)
+    has = live
+    if KEEP:
+        has = has & (tl.load(keep_ptr + n, mask=live, other=0) != 0)
+    return idx * stride_s, has
+
+
 @triton.jit(do_not_specialize=["T", "N"])
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, cu_ptr, y_ptr,
-    T, C, N, stride_x,
+    x_ptr, w_ptr, b_ptr, s_ptr, slot_ptr, keep_ptr, cu_ptr, y_ptr,
+    T, C, N, stride_x, stride_s, stride_sr,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    HAS_STATE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    HAS_STATE: tl.constexpr, SLOTS: tl.constexpr, KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -65,6 +79,8 @@ def _conv_fwd_kernel(
     mask_c = offs_c < C
     n = _seq_of(cu_ptr, offs_t, N, SEARCH_STEPS)
     start = tl.load(cu_ptr + n, mask=mask_t, other=0)
+    if HAS_STATE:
+        s_row0, has_s = _state_row0(n, slot_ptr, keep_ptr, mask_t, stride_s, SLOTS, KEEP)
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for j in tl.static_range(W):
         r = offs_t - start - (W - 1) + j  # tap position relative to the sequence start (< 0: the state)
@@ -75,8 +91,8 @@ def _conv_fwd_kernel(
         ).to(tl.float32)
         if HAS_STATE:
             sv = tl.load(
-                s_ptr + (n.to(tl.int64) * (W - 1) + (W - 1) + r)[:, None] * C + offs_c[None, :],
-                mask=(mask_t & (r < 0))[:, None] & mask_c[None, :], other=0.0,
+                s_ptr + (s_row0 + ((W - 1) + r).to(tl.int64) * stride_sr)[:, None] + offs_c[None, :],
+                mask=(has_s & (r < 0))[:, None] & mask_c[None, :], other=0.0,
             ).to(tl.float32)
             xv = tl.where(in_x[:, None], xv, sv)
         wj = tl.load(w_ptr + offs_c * W + j, mask=mask_c, other=0.0).to(tl.float32)
@@ -93,23 +109,37 @@ def _conv_fwd_kernel(
 
 @triton.jit
 def _conv_state_kernel(
-    x_ptr, s_ptr, cu_ptr, out_ptr, C, stride_x,
-    W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_STATE: tl.constexpr,
+    x_ptr, s_ptr, slot_ptr, keep_ptr, cu_ptr, out_ptr, C, stride_x, stride_s, stride_sr, stride_o, stride_or,
+    W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_STATE: tl.constexpr, SLOTS: tl.constexpr, KEEP: tl.constexpr,
 ):
+    """Final state row s of sequence ``seq`` = its input ``L - (W-1) + s`` (relative to its start), or where that
+    is before the start, row ``L + s`` of its initial state (zero without one). With ``SLOTS`` the initial state
+    and the output are the same cache rows: the whole tile is loaded before any of it is stored."""
     seq = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < C
+    mask = (offs_s < W - 1)[:, None] & (offs_c < C)[None, :]
     start = tl.load(cu_ptr + seq)
     L = tl.load(cu_ptr + seq + 1) - start
-    for s in tl.static_range(W - 1):
-        # position of final-state row s relative to the sequence start, per lane (masks stay vectors)
-        r = L - (W - 1) + s + tl.zeros_like(offs_c)
-        v = tl.load(x_ptr + (start + r).to(tl.int64) * stride_x + offs_c, mask=mask_c & (r >= 0), other=0.0)
-        if HAS_STATE:
-            sv = tl.load(s_ptr + (seq.to(tl.int64) * (W - 1) + (W - 1) + r) * C + offs_c,
-                         mask=mask_c & (r < 0), other=0.0)
-            v = tl.where(r >= 0, v, sv)
-        tl.store(out_ptr + (seq.to(tl.int64) * (W - 1) + s) * C + offs_c, v.to(out_ptr.dtype.element_ty), mask=mask_c)
+    r = L - (W - 1) + offs_s  # each final-state row's position relative to the sequence start
+    v = tl.load(x_ptr + (start + r).to(tl.int64)[:, None] * stride_x + offs_c[None, :],
+                mask=mask & (r >= 0)[:, None], other=0.0)
+    if HAS_STATE:
+        # the sequence's (scalar) state offset, broadcast over the tile's rows: masks stay tensors
+        s_row0, has_s = _state_row0(seq + tl.zeros_like(offs_s), slot_ptr, keep_ptr, offs_s >= 0, stride_s, SLOTS, KEEP)
+        sv = tl.load(s_ptr + (s_row0 + ((W - 1) + r).to(tl.int64) * stride_sr)[:, None] + offs_c[None, :],
+                     mask=mask & (has_s & (r < 0))[:, None], other=0.0)
+        v = tl.where((r >= 0)[:, None], v, sv.to(v.dtype))
+        if SLOTS:
+            o_row0 = s_row0[:, None]
+            tl.debug_barrier()  # in place: every lane's loads of the old rows land before any row is overwritten
+        else:
+            o_row0 = seq.to(tl.int64) * stride_o
+    else:
+        o_row0 = seq.to(tl.int64) * stride_o
+    tl.store(out_ptr + o_row0 + offs_s.to(tl.int64)[:, None] * stride_or + offs_c[None, :],
+             v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -291,6 +321,13 @@ def causal_conv1d_backward_triton(
     return dx, dw_part.sum(0).t().to(weight_CW.dtype)
 
 
+def slotted_conv_state_ok(cache: torch.Tensor, x_TC: torch.Tensor, W: int) -> bool:
+    """Whether ``causal_conv1d_triton`` can read and write ``cache`` by slot for inputs ``x``: ``[S, W-1, C]`` in
+    x's dtype (the gather path casts the state to it first), each row contiguous."""
+    return (cache.dim() == 3 and tuple(cache.shape[1:]) == (W - 1, x_TC.shape[1]) and cache.stride(2) == 1
+            and cache.dtype == x_TC.dtype and cache.device == x_TC.device)
+
+
 def causal_conv1d_triton(
     x_TC: torch.Tensor,
     weight_CW: torch.Tensor,
@@ -298,9 +335,18 @@ def causal_conv1d_triton(
     bias_C: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    *,
+    state_slots: torch.Tensor | None = None,
+    state_keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``causal_conv1d_torch``: ``y [T, C]`` (x's dtype, contiguous) and the final states
-    ``[N, W-1, C]`` (x's dtype). ``x`` needs a unit column stride; its rows may be strided."""
+    ``[N, W-1, C]`` (x's dtype). ``x`` needs a unit column stride; its rows may be strided.
+
+    ``state_slots [N]`` (an engine's conv cache): ``initial_state`` is the cache ``[S, W-1, C]``
+    (``slotted_conv_state_ok``), sequence n starts from cache row ``state_slots[n]`` -- from zeros where
+    ``state_keep[n]`` is false -- and its final state is written back there in place; the cache is returned as
+    the state. Same arithmetic as the gathered state's (the same loads), so the same bits; it saves the gather,
+    the zeroing and the scatter around the kernel (three launches per layer and step)."""
     if activation not in (None, "silu"):
         raise ValueError(f"unsupported activation {activation!r}")
     T, C = x_TC.shape
@@ -310,22 +356,38 @@ def causal_conv1d_triton(
         x_TC = x_TC.contiguous()
     w = weight_CW.contiguous()
     cu = cu_seqlens.to(device=x_TC.device, dtype=torch.int32).contiguous()
-    state = None if initial_state is None else initial_state.to(x_TC.dtype).contiguous()
+    slots = state_slots is not None
+    if slots:
+        if initial_state is None or not slotted_conv_state_ok(initial_state, x_TC, W):
+            raise ValueError(f"state_slots need initial_state as a conv cache [S, {W - 1}, {C}] in {x_TC.dtype} with "
+                             f"contiguous rows; got {None if initial_state is None else (tuple(initial_state.shape), initial_state.dtype)}")
+        if state_slots.shape != (N,) or (state_keep is not None and state_keep.shape != (N,)):
+            raise ValueError(f"state_slots and state_keep must be [N={N}]")
+        state = final = initial_state
+    else:
+        if state_keep is not None:
+            raise ValueError("state_keep goes with state_slots")
+        state = None if initial_state is None else initial_state.to(x_TC.dtype).contiguous()
+        final = torch.empty(N, W - 1, C, dtype=x_TC.dtype, device=x_TC.device)
     y = torch.empty(T, C, dtype=x_TC.dtype, device=x_TC.device)
-    final = torch.empty(N, W - 1, C, dtype=x_TC.dtype, device=x_TC.device)
     dummy = w  # stands in for absent pointers (never read: the constexpr flags drop those loads)
+    s_arg = state if state is not None else dummy
+    slot_arg = state_slots if slots else dummy
+    keep_arg = state_keep if state_keep is not None else dummy
+    s_strides = (state.stride(0), state.stride(1)) if state is not None else (0, 0)
+    flags = dict(HAS_STATE=state is not None, SLOTS=slots, KEEP=state_keep is not None)
     BLOCK_C = 128
     if T > 0:
         BLOCK_T = 32 if T >= 32 else triton.next_power_of_2(T)
         _conv_fwd_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))](
-            x_TC, w, bias_C if bias_C is not None else dummy, state if state is not None else dummy, cu, y,
-            T, C, N, x_TC.stride(0),
+            x_TC, w, bias_C if bias_C is not None else dummy, s_arg, slot_arg, keep_arg, cu, y,
+            T, C, N, x_TC.stride(0), *s_strides,
             W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, SEARCH_STEPS=max(1, N.bit_length()),
-            HAS_STATE=state is not None, HAS_BIAS=bias_C is not None, SILU=activation == "silu", num_warps=4,
+            HAS_BIAS=bias_C is not None, SILU=activation == "silu", num_warps=4, **flags,
         )
     if N > 0 and W > 1:
         _conv_state_kernel[(N, triton.cdiv(C, BLOCK_C))](
-            x_TC, state if state is not None else dummy, cu, final, C, x_TC.stride(0),
-            W=W, BLOCK_C=BLOCK_C, HAS_STATE=state is not None, num_warps=4,
+            x_TC, s_arg, slot_arg, keep_arg, cu, final, C, x_TC.stride(0), *s_strides, final.stride(0), final.stride(1),
+            W=W, BLOCK_S=triton.next_power_of_2(W - 1), BLOCK_C=BLOCK_C, num_warps=4, **flags,
         )
     return y, final

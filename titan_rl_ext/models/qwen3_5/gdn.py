@@ -71,6 +71,34 @@ class CausalConvKernel(nn.Module):
         return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu")
 
 
+class CachedStateConvKernel(nn.Module):
+    """The conv of an engine that keeps every sequence's conv state in one cache ``[S, W-1, C]`` indexed by slot.
+    Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer the cache
+    itself as ``state.conv``; the conv reads and writes the slots (in place where its kernel can) and returns
+    the cache as the new state. Unbound (a profiling run), ``base`` runs on the state given."""
+
+    def __init__(self, base: CausalConvKernel) -> None:
+        super().__init__()
+        self.base = base
+        self._slots: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+
+    def bind(self, slots: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """This step's slot of each sequence ``[N]`` and whether it holds prior state ``[N]`` (None: all do)."""
+        self._slots, self._keep = slots, keep
+
+    def unbind(self) -> None:
+        self._slots = self._keep = None
+
+    def forward(
+        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._slots is None or state is None:
+            return self.base(x_TC, weight_CW, batch, state)
+        return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu",
+                             state_slots=self._slots, state_keep=self._keep)
+
+
 class GatedDeltaRuleKernel(nn.Module):
     """``mode``: ``chunk`` (fast prefill/training) or ``recurrent`` (token by token, the reference).
     Batch-invariant mode overrides it: recurrent forward everywhere, chunked backward."""

@@ -1,4 +1,4 @@
-"""The norms' and SwiGLU's backward kernels beside their torch references, as (reference, inputs, backward)
+"""The norms', SwiGLU's and the output gate's backward kernels beside their torch references, as (reference, inputs, backward)
 triples, for the CPU interpreter checks and the GPU test alike. Each backward returns one gradient per input."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def row_grad_cases(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> dict[st
         "gated": (lambda x, z, w: rows.gated_rms_norm_torch(x, z, w, 1e-6), (x, z, w), gated_bwd),
         "l2": (lambda x: rows.l2norm_torch(x), (x,), lambda x, dy: rt.norm_rows_backward(x, None, 1e-6, 3, dy)[:1]),
         "silu_mul": (rows.silu_mul_torch, (x, z), rt.silu_mul_backward),
+        "sigmoid_mul": (rows.sigmoid_mul_torch, (x, z), rt.sigmoid_mul_backward),
     }
 
 

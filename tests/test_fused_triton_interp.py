@@ -47,6 +47,25 @@ def _close(got, ref, rounded_to=None) -> None:  # type: ignore[no-untyped-def]
         torch.testing.assert_close(got.float(), ref.float(), rtol=3 * 2.0**-7, atol=1e-3)
 
 
+def _grads_near_float64(got, reference, ins, dys) -> None:  # type: ignore[no-untyped-def]
+    """Gradients ``got`` (one per input) against the float64 gradient of ``reference`` at ``ins`` with output
+    gradients ``dys``: fp32 within 1e-5 of the largest entry; 16-bit no further than ``reference``'s own gradient
+    in that dtype plus two ulps of the largest entry (as ``_check_row_backward`` bounds it)."""
+    import torch
+
+    leaves = [t.detach().double().requires_grad_(True) for t in ins]
+    want64 = torch.autograd.grad(reference(*leaves), leaves, tuple(d.double() for d in dys))
+    leaves = [t.detach().requires_grad_(True) for t in ins]
+    before = torch.autograd.grad(reference(*leaves), leaves, dys)
+    for a, b64, r in zip(got, want64, before):
+        big = b64.abs().max().item()
+        err = (a.double() - b64).abs().max().item()
+        if a.dtype == torch.float32:
+            assert err <= 1e-5 * big, (err, big)
+        else:
+            assert err <= (r.double() - b64).abs().max().item() + 2 * 2.0**-7 * big, err
+
+
 def _check_norms() -> None:
     import torch
 
@@ -88,6 +107,116 @@ def _check_norms() -> None:
     _close(y, rows.l2norm_torch(view, 1e-6))
 
 
+def _check_norm_rotary() -> None:
+    """The attention's q/k norm with its rotary embedding in one kernel (``norm_rows(..., cos=, sin=)``) against
+    ``rows.rms_norm_rotary_torch`` (the norm, then HF's rotate-half form), on head views of the merged projection
+    ([T, heads, D] with two-level strides), both Qwen norm flavours, a partial rotary (R < D) and a full one.
+    fp32: 1e-5 (the same roundings, in fp32). bf16: within four bf16 ulps of the two rotary terms' magnitudes
+    (``|n * cos| + |n' * sin|``: the kernel rounds the norm's output -- twice in Qwen3's form --, each term and
+    their sum as torch does, but the interpreter's casts truncate, up to an ulp each, and where the terms cancel
+    the sum keeps their absolute error); the pass-through dims within the norm's two ulps. Exact: the pass-through dims
+    equal the plain norm's bits, a token's rows do not depend on the other tokens of the launch, and a copy of
+    the view gives the view's bits. The gradient (the rotary's transpose, then the norm's backward kernel) against
+    the float64 gradient of the reference, as ``_check_row_backward`` bounds it."""
+    import torch
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(4)
+    T, N, D = 7, 3, 40
+    for R in (12, D):
+        for dtype in (torch.float32, torch.bfloat16):
+            wide = (torch.randn(T, N, 2 * D + 8, generator=g) * 2).to(dtype)
+            x = wide[..., D + 8 :]  # the q part of a per-head [gate; q] layout: rows strided in two levels
+            angle = torch.rand(T, R, generator=g) * 100
+            cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+            for zc in (True, False):
+                mode = 1 if zc else 0
+                w = (torch.randn(D, generator=g) * 0.3 + (0.0 if zc else 1.0)).to(dtype)
+                y = rt.norm_rows(x, w, 1e-6, mode, cos=cos, sin=sin)
+                ref = rows.rms_norm_rotary_torch(x, w, cos, sin, 1e-6, zc)
+                assert y.dtype == ref.dtype and y.shape == ref.shape
+                if dtype == torch.float32:
+                    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+                else:
+                    n = rows.rms_norm_torch(x, w, 1e-6, zc).float()
+                    half = R // 2
+                    n_p = torch.cat([n[..., half:R], n[..., :half]], dim=-1)
+                    terms = (n[..., :R] * cos.float()[:, None]).abs() + (n_p * sin.float()[:, None]).abs()
+                    # the norm's output up to two ulps off (Qwen3's form rounds twice), then two products and
+                    # the sum, each truncated
+                    bound = torch.cat([4 * 2.0**-7 * terms, 2 * 2.0**-7 * n[..., R:].abs()], dim=-1) + 1e-6
+                    assert ((y.float() - ref.float()).abs() <= bound).all(), (y.float() - ref.float()).abs().max()
+                assert torch.equal(y[..., R:], rt.norm_rows(x, w, 1e-6, mode)[..., R:])
+                assert torch.equal(rt.norm_rows(x[2:5], w, 1e-6, mode, cos=cos[2:5], sin=sin[2:5]), y[2:5])
+                assert torch.equal(rt.norm_rows(x.contiguous(), w, 1e-6, mode, cos=cos, sin=sin), y)
+    # the gradient, through the dispatcher's backward (forced onto the kernels: the dispatch asks for CUDA)
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = (torch.randn(T, N, 2 * D, generator=g) * 2).to(dtype)
+        x = wide[..., :D]
+        w = (torch.randn(D, generator=g) * 0.3).to(dtype)
+        angle = torch.rand(T, 12, generator=g) * 100
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        dy = torch.randn(T, N, D, generator=g).to(dtype)
+        forced = rows.fused_available
+        rows.fused_available = lambda *ts: True
+        try:
+            xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+            got = torch.autograd.grad(rows.rms_norm_rotary(xg, wg, cos, sin, 1e-6, True), (xg, wg), dy)
+        finally:
+            rows.fused_available = forced
+        _grads_near_float64(got, lambda x, w: rows.rms_norm_rotary_torch(x, w, cos.to(x.dtype), sin.to(x.dtype), 1e-6, True),
+                            (x, w), (dy,))
+
+
+def _check_add_norm() -> None:
+    """The residual stream's add fused with the next norm (``norm_rows(..., residual=)``, ``rows.add_rms_norm``):
+    the sum is torch's ``x + h`` (fp32: ``torch.equal``; bf16: one ulp, the interpreter truncating where the GPU
+    rounds) and the normalised rows are the plain norm of that sum (fp32 1e-5; bf16 bitwise equal to the kernel's
+    own norm of the kernel's sum). Rows alone = in a batch. The gradient through ``rows.add_rms_norm`` (forced
+    onto the kernels) against the float64 gradient of ``add_rms_norm_torch``, bounded as in ``_check_row_backward``,
+    with the sum's own gradient reaching both addends."""
+    import torch
+
+    from titan_rl_ext.kernels import rows
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    g = torch.Generator().manual_seed(6)
+    for D in (96, 256):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(13, D, generator=g) * 2).to(dtype)
+            h = torch.randn(13, D, generator=g).to(dtype)
+            for zc in (True, False):
+                mode = 1 if zc else 0
+                w = (torch.randn(D, generator=g) * 0.3 + (0.0 if zc else 1.0)).to(dtype)
+                total, y = rt.norm_rows(x, w, 1e-6, mode, residual=h)
+                s_ref, y_ref = rows.add_rms_norm_torch(x, h, w, 1e-6, zc)
+                if dtype == torch.float32:
+                    assert torch.equal(total, s_ref)
+                else:
+                    torch.testing.assert_close(total.float(), s_ref.float(), rtol=2.0**-7, atol=0)
+                if dtype == torch.float32:
+                    _close(y, rt.norm_rows(s_ref, w, 1e-6, mode))
+                assert torch.equal(y, rt.norm_rows(total, w, 1e-6, mode))
+                a, b = rt.norm_rows(x[4:7], w, 1e-6, mode, residual=h[4:7])
+                assert torch.equal(a, total[4:7]) and torch.equal(b, y[4:7])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(9, 128, generator=g) * 2).to(dtype)
+        h = torch.randn(9, 128, generator=g).to(dtype)
+        w = (torch.randn(128, generator=g) * 0.3).to(dtype)
+        ds, dy = torch.randn(9, 128, generator=g).to(dtype), torch.randn(9, 128, generator=g).to(dtype)
+        forced = rows.fused_available
+        rows.fused_available = lambda *ts: True
+        try:
+            leaves = [t.detach().requires_grad_(True) for t in (x, h, w)]
+            got = torch.autograd.grad(rows.add_rms_norm(*leaves, 1e-6, True), leaves, (ds, dy))
+        finally:
+            rows.fused_available = forced
+        assert torch.equal(got[0], got[1])  # both addends get the sum's gradient
+        _grads_near_float64(got, lambda x, h, w: rows.add_rms_norm_torch(x, h, w, 1e-6, True), (x, h, w), (ds, dy))
+
+
 def _check_silu_mul() -> None:
     import torch
 
@@ -102,6 +231,16 @@ def _check_silu_mul() -> None:
         _close(y, rows.silu_mul_torch(gate, up))
         assert torch.equal(rt.silu_mul(gate[4:6], up[4:6]), y[4:6])
         assert torch.equal(rt.silu_mul(gate.contiguous(), up.contiguous()), y)
+        # the attention's output gate: sigmoid(gate) * o, the gate a head view of the merged q/gate projection
+        T, N, Hd = 7, 3, 40
+        qg = (torch.randn(T, N, 2 * Hd + 8, generator=g) * 3).to(dtype)  # per head [q; gate] and more columns
+        gate_h = qg[..., Hd : 2 * Hd]
+        o = torch.randn(T, N, Hd, generator=g).to(dtype)
+        y = rt.sigmoid_mul(gate_h, o)
+        assert y.shape == o.shape and y.is_contiguous()
+        _close(y, rows.sigmoid_mul_torch(gate_h, o))
+        assert torch.equal(rt.sigmoid_mul(gate_h[2:5], o[2:5]), y[2:5])
+        assert torch.equal(rt.sigmoid_mul(gate_h.contiguous(), o), y)
 
 
 def _check_gdn_gates() -> None:
@@ -155,10 +294,11 @@ def _check_reference_grad() -> None:
 
 
 def _check_row_backward() -> None:
-    """The backward kernels of the norms (all four modes) and SwiGLU against the float64 gradient of their torch
+    """The backward kernels of the norms (all four modes), SwiGLU and the output gate against the float64 gradient of their torch
     references: fp32 as close as the fp32 reference's own gradient (1e-5 relative to the largest entry); bf16 no
-    further from float64 than the bf16 reference's gradient (what ran before) plus one bf16 ulp of the largest
-    entry (the interpreter truncates its casts). Rows as the layers hand them over: head views of wider buffers.
+    further from float64 than the bf16 reference's gradient (what ran before) plus two bf16 ulps of the largest
+    entry (the kernels round up to twice on the way, e.g. the activation and then the product, and the interpreter
+    truncates each of those casts where the GPU rounds). Rows as the layers hand them over: head views of wider buffers.
     Through ``kernel_with_reference_grad(..., backward=)``: the kernel's gradients, ``TITAN_FUSED_BACKWARD=0``
     the reference's."""
     import functools
@@ -194,7 +334,7 @@ def _check_row_backward() -> None:
                     assert err <= 1e-5 * big, (name, i, err, big)
                 else:
                     err_ref = (r.double() - b64).abs().max().item()
-                    assert err <= err_ref + 2.0**-7 * big, (name, i, err, err_ref, big)
+                    assert err <= err_ref + 2 * 2.0**-7 * big, (name, i, err, err_ref, big)
     # the dispatch wrapper: the backward kernel's gradients, or with TITAN_FUSED_BACKWARD=0 the reference's
     xg = torch.randn(5, 64, generator=g, requires_grad=True)
     wg = torch.randn(64, generator=g, requires_grad=True)
@@ -527,7 +667,7 @@ def _check_grouped_mm() -> None:
 
 
 def _main() -> None:
-    run_checks((_check_norms, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_row_backward, _check_conv,
+    run_checks((_check_norms, _check_norm_rotary, _check_add_norm, _check_silu_mul, _check_gdn_gates, _check_reference_grad, _check_row_backward, _check_conv,
                 _check_conv_cache_slots, _check_conv_backward, _check_head_grad, _check_log_softmax_stats, _check_grouped_mm))
 
 

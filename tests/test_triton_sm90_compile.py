@@ -105,3 +105,40 @@ def test_conv_forward_and_state_kernels_with_cache_slots() -> None:
     assert flags == [(False, False, False)] * 2 + [(True, False, False)] * 2 + [(True, True, False)] * 2 + [(True, True, True)] * 2
     for launch in launches:
         _cubin(launch)
+
+
+def test_activation_times_kernels_silu_and_sigmoid() -> None:
+    """SwiGLU's ``silu(g) * u`` and the attention gate's ``sigmoid(g) * o`` share one kernel pair (rows strided in
+    two levels: the gate is a head view of the merged projection), forward and backward."""
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    merged = torch.randn(5, 2 * 96).bfloat16()
+    gate_h, o = torch.randn(5, 3, 2 * 64).bfloat16()[..., 64:], torch.randn(5, 3, 64).bfloat16()
+    with record_launches(rt._act_mul_kernel, rt._act_mul_bwd_kernel) as launches:
+        rt.silu_mul(merged[:, :96], merged[:, 96:])
+        rt.silu_mul_backward(merged[:, :96], merged[:, 96:], torch.randn(5, 96).bfloat16())
+        rt.sigmoid_mul(gate_h, o)
+        rt.sigmoid_mul_backward(gate_h, o, torch.randn(5, 3, 64).bfloat16())
+    assert [launch.args["SILU"] for launch in launches] == [True, True, False, False]
+    for launch in launches:
+        _cubin(launch)
+
+
+def test_norm_kernel_with_rotary_and_residual() -> None:
+    """The q/k norm with its rotary embedding (both Qwen norm flavours, the 9B's partial rotary of 64 of 256 dims),
+    the residual add fused into the norm, and the plain norm modes the same kernel keeps."""
+    from titan_rl_ext.kernels import rows_triton as rt
+
+    x = torch.randn(3, 4, 2 * 256).bfloat16()[..., 256:]
+    w = torch.randn(256).bfloat16()
+    cos, sin = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    with record_launches(rt._norm_rows_kernel) as launches:
+        rt.norm_rows(x, w, 1e-6, 1, cos=cos, sin=sin)
+        rt.norm_rows(x, w, 1e-6, 0, cos=cos, sin=sin)
+        rt.norm_rows(x, w, 1e-6, 1)
+        rt.norm_rows(x, w, 1e-6, 2, gate=x)
+        rt.norm_rows(x, w, 1e-6, 1, residual=x)
+    assert [(launch.args["MODE"], launch.args["ROT"], launch.args["RES"]) for launch in launches] == [
+        (1, 64, False), (0, 64, False), (1, 0, False), (2, 0, False), (1, 0, True)]
+    for launch in launches:
+        _cubin(launch)

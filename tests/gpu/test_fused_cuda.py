@@ -44,6 +44,53 @@ def test_norms_match_reference_and_are_batch_invariant(D: int) -> None:
             assert torch.equal(fn(x[a : a + n], z[a : a + n]), y[a : a + n]), (name, a, n)
 
 
+def test_residual_add_fused_into_the_norm() -> None:
+    """``rows.add_rms_norm`` at the hidden size: the sum is torch's ``x + h`` bit for bit (both compute in fp32 and
+    round once), the normalised rows are the plain norm kernel's bits of that sum, rows alone = in the batch."""
+    from titan_rl_ext.kernels import rows
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = (torch.randn(4099, 4096, device="cuda", generator=g) * 3).bfloat16()
+    h = torch.randn(4099, 4096, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(4096, device="cuda", generator=g) * 0.1).bfloat16()
+    for zc in (True, False):
+        total, y = rows.add_rms_norm(x, h, w, 1e-6, zc)
+        assert torch.equal(total, x + h)
+        assert torch.equal(y, rows.rms_norm(x + h, w, 1e-6, zc))
+        a, b = rows.add_rms_norm(x[17:317], h[17:317], w, 1e-6, zc)
+        assert torch.equal(a, total[17:317]) and torch.equal(b, y[17:317])
+
+
+def test_attention_norm_rotary_and_gate_match_reference() -> None:
+    """The attention's fused q/k path (norm + partial rotary, the 9B's 16 q heads of 256 with 64 rotary dims, read
+    as head views of the merged projection) and its output gate ``sigmoid(gate) * o`` against the torch
+    references: two bf16 ulps of the rotary terms' magnitudes (each term and the sum rounded as torch rounds
+    them; the fp32 values may differ in their last bit), and batch invariance (a token alone = in the batch)."""
+    from titan_rl_ext.kernels import rows
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    T, N, D, R = 3000, 16, 256, 64
+    qg = (torch.randn(T, N, 2 * D, device="cuda", generator=g) * 3).bfloat16()  # per head [q; gate]
+    q, gate = qg[..., :D], qg[..., D:]
+    w = (torch.randn(D, device="cuda", generator=g) * 0.1).bfloat16()
+    angle = torch.rand(T, R, device="cuda", generator=g) * 1000
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    y = rows.rms_norm_rotary(q, w, cos, sin, 1e-6, True)
+    ref = rows.rms_norm_rotary_torch(q, w, cos, sin, 1e-6, True)
+    n = rows.rms_norm_torch(q, w, 1e-6, True).float()
+    n_p = torch.cat([n[..., R // 2 : R], n[..., : R // 2]], dim=-1)
+    terms = (n[..., :R] * cos.float()[:, None]).abs() + (n_p * sin.float()[:, None]).abs()
+    bound = torch.cat([2 * 2.0**-7 * terms, 2.0**-7 * n[..., R:].abs()], dim=-1) + 1e-6
+    assert ((y.float() - ref.float()).abs() <= bound).all()
+    print(f"norm+rotary: {100 * (y == ref).float().mean().item():.2f} % of elements bit-equal to the torch reference")
+    for a, k in ((0, 1), (T - 1, 1), (17, 300)):
+        assert torch.equal(rows.rms_norm_rotary(q[a : a + k], w, cos[a : a + k], sin[a : a + k], 1e-6, True), y[a : a + k])
+    o = torch.randn(T, N, D, device="cuda", generator=g).bfloat16()
+    yo = rows.sigmoid_mul(gate, o)
+    _close(yo, rows.sigmoid_mul_torch(gate, o))
+    assert torch.equal(rows.sigmoid_mul(gate[5:6], o[5:6]), yo[5:6])
+
+
 def test_conv_matches_reference_split_and_graph() -> None:
     from titan_rl_ext.kernels.conv import causal_conv1d, causal_conv1d_torch
 
@@ -152,17 +199,18 @@ def test_conv_backward_kernel_no_worse_than_the_reference_gradient() -> None:
         assert err_fused <= err_ref + 2.0**-9 * ref64.abs().max().item(), (i, err_fused, err_ref)
 
 
-@pytest.mark.parametrize("name", ["rms_zc", "rms", "gated", "l2", "silu_mul"])
+@pytest.mark.parametrize("name", ["rms_zc", "rms", "gated", "l2", "silu_mul", "sigmoid_mul"])
 def test_row_backward_kernels_no_worse_than_the_reference_gradient(name: str) -> None:
-    """The norms' and SwiGLU's backward kernels at the 9B slice's widths (hidden 4096, GDN heads 128, MLP 12288),
+    """The norms', SwiGLU's and the output gate's backward kernels at the 9B slice's widths (hidden 4096, GDN heads
+    128, MLP 12288, attention heads 256),
     bf16 rows as the layers hand them over: each gradient against float64 at most as far as the bf16 reference's
     gradient (``TITAN_FUSED_BACKWARD=0``, what the trainer ran before) plus half a bf16 ulp of the largest entry."""
     from row_grad_cases import reference_grads, row_grad_cases
 
     g = torch.Generator(device="cuda").manual_seed(11)
     R = 4096
-    D = {"rms_zc": 4096, "rms": 4096, "gated": 128, "l2": 128, "silu_mul": 12288}[name]
-    shape = (R, D) if D > 128 else (R, 16, D)
+    D = {"rms_zc": 4096, "rms": 4096, "gated": 128, "l2": 128, "silu_mul": 12288, "sigmoid_mul": 256}[name]
+    shape = (R, D) if D > 256 else (R, 16, D)
     x = (torch.randn(*shape, device="cuda", generator=g) * 2).bfloat16()
     z = torch.randn(*shape, device="cuda", generator=g).bfloat16()
     w = (torch.randn(D, device="cuda", generator=g) * 0.3 + 1).bfloat16()

@@ -1,5 +1,6 @@
-"""Per-row ops of the layers -- RMSNorm, the GDN output's gated RMSNorm, l2norm, SwiGLU's ``silu(g) * u``,
-the GDN gates --
+"""Per-row ops of the layers -- RMSNorm (and the attention's q/k norm with its rotary embedding), the GDN output's
+gated RMSNorm, l2norm, SwiGLU's ``silu(g) * u``, the
+attention's output gate ``sigmoid(g) * o``, the GDN gates --
 each as a plain-PyTorch reference (``*_torch``: what CPU runs, what the kernels are tested against) and a
 dispatcher that runs one Triton launch (``rows_triton``) on CUDA.
 
@@ -39,6 +40,41 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cente
     return weight * x_hat.to(x.dtype)
 
 
+def add_rms_norm_torch(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the next norm: ``(s, rms_norm_torch(s))`` with ``s = x + h``."""
+    s = x + h
+    return s, rms_norm_torch(s, weight, eps, zero_centered)
+
+
+def rotary_torch(x: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of the first ``R`` dims of ``x`` ``[T, heads, D]`` (the rest pass through):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x[R/2:R], x[:R/2]]``, in x's dtype (HF's form)."""
+    r = cos_TR.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos_TR[:, None, :] + rotated * sin_TR[:, None, :]
+    return torch.cat([out, x_pass], dim=-1)
+
+
+def rotary_transpose_torch(dy: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``rotary_torch`` with respect to its ``x``, given the output's gradient ``dy``."""
+    r = cos_TR.shape[-1]
+    half = r // 2
+    d_rot, d_pass = dy[..., :r], dy[..., r:]
+    ds = d_rot * sin_TR[:, None, :]
+    return torch.cat([d_rot * cos_TR[:, None, :] + torch.cat([ds[..., half:], -ds[..., :half]], dim=-1), d_pass], dim=-1)
+
+
+def rms_norm_rotary_torch(
+    x: torch.Tensor, weight: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, eps: float, zero_centered: bool
+) -> torch.Tensor:
+    """The attention's q/k path: ``rotary_torch(rms_norm_torch(x))``."""
+    return rotary_torch(rms_norm_torch(x, weight, eps, zero_centered), cos_TR, sin_TR)
+
+
 def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``(w * x_hat.to(x.dtype)) * silu(gate)``, rounded to ``x.dtype`` (the GDN output norm)."""
     x32 = x.float()
@@ -55,6 +91,11 @@ def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return ops.silu(gate) * up
+
+
+def sigmoid_mul_torch(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The attention's output gate: ``sigmoid(gate)`` rounded to the dtype, times ``x``."""
+    return ops.sigmoid(gate) * x
 
 
 def gdn_gates_torch(
@@ -162,6 +203,74 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
                                       x, weight, backward=backward)
 
 
+class _AddRMSNorm(torch.autograd.Function):
+    """``(s, y) = (x + h, rms_norm(x + h))`` by the kernel; saves the sum (not both addends: one activation per
+    add, as the unfused norm saved). Backward: the norm's backward kernel at ``s`` (``TITAN_FUSED_BACKWARD=0``:
+    the reference's gradient there), plus the sum's own gradient, to both addends."""
+
+    @staticmethod
+    def forward(ctx, x, h, w, eps, zero_centered, out):  # type: ignore[no-untyped-def]
+        s, y = _kernels().norm_rows(x, w.contiguous(), eps, 1 if zero_centered else 0, out_dtype=out, residual=h)
+        ctx.save_for_backward(s, w)
+        ctx.eps, ctx.zero_centered = eps, zero_centered
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):  # type: ignore[no-untyped-def]
+        s, w = ctx.saved_tensors
+        if fused_backward_on():
+            dn, dw, _ = _kernels().norm_rows_backward(s, w.contiguous(), ctx.eps, 1 if ctx.zero_centered else 0, dy)
+        else:
+            sg, wg = s.detach().requires_grad_(True), w.detach().requires_grad_(True)
+            with torch.enable_grad():
+                dn, dw = torch.autograd.grad(rms_norm_torch(sg, wg, ctx.eps, ctx.zero_centered), (sg, wg), dy)
+        d = dn if ds is None else ds + dn  # the sum's gradient reaches both addends
+        return d, d, dw, None, None, None
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_torch``: the residual add and the norm after it in one Triton launch on CUDA (one read of
+    each input, one write of the sum and of the normalised rows; the sum's bits are torch's ``x + h``)."""
+    if not (fused_available(x, h, weight) and _fits(x) and h.shape == x.shape and h.dtype == x.dtype
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return add_rms_norm_torch(x, h, weight, eps, zero_centered)
+    out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, h, weight)):
+        return _AddRMSNorm.apply(x, h, weight, eps, zero_centered, out)
+    return _kernels().norm_rows(x, weight.contiguous(), eps, 1 if zero_centered else 0, out_dtype=out, residual=h)
+
+
+def rms_norm_rotary(
+    x: torch.Tensor, weight: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor, eps: float, zero_centered: bool
+) -> torch.Tensor:
+    """``rms_norm_rotary_torch`` (``x`` ``[T, heads, D]``, e.g. a head view of the attention's merged projection);
+    one Triton launch on CUDA, where the norm and the rotary took eight (the norm, a negation, two concatenations,
+    two products, a sum, the pass-through copy)."""
+    out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    if not (fused_available(x, weight, cos_TR, sin_TR) and _fits(x) and x.dim() == 3
+            and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and cos_TR.dtype == sin_TR.dtype == out and cos_TR.shape == sin_TR.shape == (x.shape[0], cos_TR.shape[-1])
+            and cos_TR.shape[-1] % 2 == 0 and cos_TR.shape[-1] <= x.shape[-1]
+            and cos_TR.stride(-1) == 1 and sin_TR.stride() == cos_TR.stride()):
+        return rms_norm_rotary_torch(x, weight, cos_TR, sin_TR, eps, zero_centered)
+    k = _kernels()
+    mode = 1 if zero_centered else 0
+
+    def kernel(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return k.norm_rows(x, w.contiguous(), eps, mode, out_dtype=out, cos=c, sin=s)
+
+    def backward(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, s: torch.Tensor,
+                 dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
+        dx, dw, _ = k.norm_rows_backward(x, w.contiguous(), eps, mode, rotary_transpose_torch(dy, c, s))
+        return dx, dw, None, None
+
+    return kernel_with_reference_grad(
+        kernel, functools.partial(rms_norm_rotary_torch, eps=eps, zero_centered=zero_centered),
+        x, weight, cos_TR, sin_TR, backward=backward)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``gated_rms_norm_torch``; one Triton launch on CUDA."""
     if not (fused_available(x, gate, weight) and _fits(x) and gate.shape == x.shape
@@ -203,6 +312,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return silu_mul_torch(gate, up)
     return kernel_with_reference_grad(_kernels().silu_mul, silu_mul_torch, gate, up, backward=_kernels().silu_mul_backward)
+
+
+def sigmoid_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(gate) * x``; one Triton launch on CUDA (``gate`` read in place, e.g. a head view of the attention's
+    merged projection: no copy of it, no separate sigmoid)."""
+    if not (fused_available(gate, x) and gate.shape == x.shape and gate.dtype == x.dtype
+            and gate.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        return sigmoid_mul_torch(gate, x)
+    k = _kernels()
+    return kernel_with_reference_grad(k.sigmoid_mul, sigmoid_mul_torch, gate, x, backward=k.sigmoid_mul_backward)
 
 
 def gdn_gates(

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.attention import attention_bi
-from titan_rl_ext.kernels import ops
+from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.kernels.varlen_attention import packed_causal_attention
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import RMSNorm
-from titan_rl_ext.models.common.rope import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -161,16 +160,13 @@ class Attention(nn.Module):
         q, k, v = self.wqkv.split(self.wqkv(x_TD))
         if self.output_gate:
             q_gate = q.view(T, self.n_heads, 2 * self.head_dim)
-            q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-            gate_TF = gate.reshape(T, -1)
-        q_TNH = self.q_norm(q.reshape(T, self.n_heads, self.head_dim))
-        k_TKH = self.k_norm(k.reshape(T, self.n_kv_heads, self.head_dim))
-        v_TKH = v.reshape(T, self.n_kv_heads, self.head_dim)
+            q, gate_TNH = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
         cos, sin = rope
-        q_TNH = apply_rotary(q_TNH, cos, sin)
-        k_TKH = apply_rotary(k_TKH, cos, sin)
+        q_TNH = self.q_norm.with_rotary(q.reshape(T, self.n_heads, self.head_dim), cos, sin)
+        k_TKH = self.k_norm.with_rotary(k.reshape(T, self.n_kv_heads, self.head_dim), cos, sin)
+        v_TKH = v.reshape(T, self.n_kv_heads, self.head_dim)
         o_TNH, state = self.kernel(q_TNH, k_TKH, v_TKH, batch, state)
-        o_TF = o_TNH.reshape(T, self.n_heads * self.head_dim)
         if self.output_gate:
-            o_TF = o_TF * ops.sigmoid(gate_TF)
-        return self.wo(o_TF), state
+            # the gate read where the projection wrote it (a head view), one launch on CUDA
+            o_TNH = rows.sigmoid_mul(gate_TNH, o_TNH)
+        return self.wo(o_TNH.reshape(T, self.n_heads * self.head_dim)), state

@@ -99,16 +99,23 @@ class TransformerBlock(nn.Module):
         batch: SeqBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
         state: LayerState | None,
-    ) -> tuple[torch.Tensor, LayerState | None]:
-        h = self.attention_norm(x_TD)
+        h_TD: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, LayerState | None]:
+        """``x_TD + h_TD`` is the residual stream entering the block (``h_TD`` None: ``x_TD`` alone); returns the
+        stream after the mixer's add and the feed-forward's output still to be added, ``(x, h, state)``. Each
+        residual add is done by the norm that reads its sum (``RMSNorm.add_norm``, one kernel on CUDA), the last
+        one by the next block's or the final norm."""
+        if h_TD is None:
+            h = self.attention_norm(x_TD)
+        else:
+            x_TD, h = self.attention_norm.add_norm(x_TD, h_TD)
         if self.layer_type == FULL_ATTENTION:
             h, state = self.attention(h, batch, rope, state)
         else:
             h, state = self.linear_attn(h, batch, state)
-        x_TD = x_TD + h
-        h = self.ffn_norm(x_TD)
+        x_TD, h = self.ffn_norm.add_norm(x_TD, h)
         h = self.moe(h) if hasattr(self, "moe") else self.feed_forward(h)
-        return x_TD + h, state
+        return x_TD, h, state
 
 
 class Decoder(nn.Module):
@@ -153,11 +160,12 @@ class Decoder(nn.Module):
         x_TD = self.tok_embeddings(tokens_T)
         rope = self.rope(batch.positions, x_TD.dtype)
         new_states: list[LayerState] | None = [] if states is not None else None
+        h_TD = None  # each block's output, added to the stream by the next norm
         for i, layer in enumerate(self.layers):
-            x_TD, s = layer(x_TD, batch, rope, None if states is None else states[i])
+            x_TD, h_TD, s = layer(x_TD, batch, rope, None if states is None else states[i], h_TD)
             if new_states is not None:
                 new_states.append(s)
-        return self.norm(x_TD), new_states
+        return (self.norm(x_TD) if h_TD is None else self.norm.add_norm(x_TD, h_TD)[1]), new_states
 
     def logits(self, h_TD: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         """LM head. ``fp32``: fp32 logits through ``head_logits_fp32``, the function the trainer's fused

@@ -25,6 +25,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rows.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's add and this norm: ``(x + h, norm(x + h))``, one kernel on CUDA."""
+        return rows.add_rms_norm(x, h, self.weight, self.eps, self.zero_centered)
+
+    def with_rotary(self, x_TND: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+        """The norm, then the rotate-half rotary embedding of its first ``R`` dims (the attention's q/k path), as
+        one kernel on CUDA."""
+        return rows.rms_norm_rotary(x_TND, self.weight, cos_TR, sin_TR, self.eps, self.zero_centered)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"
 

@@ -1,4 +1,5 @@
-"""Rotary embedding with a partial rotary factor (rotate_half convention on the first dims).
+"""Rotary embedding tables with a partial rotary factor (rotate_half convention on the first dims; applied by
+``kernels.rows.rms_norm_rotary`` together with the q/k norm).
 
 Qwen3.5's multimodal RoPE interleaves t/h/w frequency sections; for text every token's t/h/w
 positions are equal, which makes it identical to this 1-D rotary -- text serving needs nothing more.
@@ -40,12 +41,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions_T[:, None].float() * self.inv_freq.float()[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return ops.cos(emb).to(dtype), ops.sin(emb).to(dtype)
-
-
-def apply_rotary(x_TNH: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-    r = cos_TR.shape[-1]
-    x_rot, x_pass = x_TNH[..., :r], x_TNH[..., r:]
-    half = r // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    out = x_rot * cos_TR[:, None, :] + rotated * sin_TR[:, None, :]
-    return torch.cat([out, x_pass], dim=-1)

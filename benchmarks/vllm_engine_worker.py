@@ -109,6 +109,8 @@ class Engine:
         # i.e. the shipped default unless TITAN_GDN_RECURRENT is set for the whole run
         if cfg.endswith(("_rec", "_fla")):
             os.environ["TITAN_GDN_RECURRENT"] = "titan" if cfg.endswith("_rec") else "fla"
+        if cfg == "titan_vattn":  # vLLM's attention kernel on prefill steps too (the shipped default: the project's)
+            os.environ["TITAN_PREFILL_ATTENTION"] = "vllm"
         if args.scopes:  # vLLM's record_function scopes (for "anatomy"): read once, at the first scope
             os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         import torch
@@ -139,6 +141,7 @@ class Engine:
             from titan_rl_ext.kernels.gdn import recurrent_kernel
 
             self.info["gdn_recurrent"] = recurrent_kernel()
+            self.info["prefill_attention"] = os.environ.get("TITAN_PREFILL_ATTENTION", "titan")
         self._warm: set[str] = set()
 
     def _workload(self, cmd: dict[str, Any]) -> tuple[str, list[Any], Any]:

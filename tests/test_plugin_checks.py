@@ -39,6 +39,17 @@ def test_gdn_recurrent_kernel_problem_names_the_variable(monkeypatch: pytest.Mon
     assert msg is not None and "TITAN_GDN_RECURRENT='triton'" in msg and "fla, titan" in msg
 
 
+def test_prefill_attention_problem_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TITAN_PREFILL_ATTENTION", raising=False)
+    assert checks.prefill_attention_problem() is None
+    for ok in ("titan", "vllm"):
+        monkeypatch.setenv("TITAN_PREFILL_ATTENTION", ok)
+        assert checks.prefill_attention_problem() is None
+    monkeypatch.setenv("TITAN_PREFILL_ATTENTION", "flash")
+    msg = checks.prefill_attention_problem()
+    assert msg is not None and "TITAN_PREFILL_ATTENTION='flash'" in msg and "titan, vllm" in msg
+
+
 def test_attention_head_size_problem_asks_the_backend() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -107,6 +118,10 @@ def test_engine_refuses_at_start_up(tiny_ckpt, monkeypatch: pytest.MonkeyPatch) 
     finally:
         set_batch_invariant(False)
     assert "--kv-cache-dtype" in repr(e.value) or "--kv-cache-dtype" in str(e.value.__cause__), e.value
+    monkeypatch.setenv("TITAN_PREFILL_ATTENTION", "flash")
+    with pytest.raises(Exception) as e:
+        _start(tiny_ckpt("qwen3", layout="text", head_dim=32))
+    assert "TITAN_PREFILL_ATTENTION" in repr(e.value) or "TITAN_PREFILL_ATTENTION" in str(e.value.__cause__), e.value
 
 
 def test_pushes_refuse_data_parallel_and_several_api_servers_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,3 +137,33 @@ def test_pushes_refuse_data_parallel_and_several_api_servers_at_start(monkeypatc
             swap._attach(object(), args)  # raises before touching the app
     assert checks.swap_topology_problem(SimpleNamespace(data_parallel_size=1, api_server_count=None)) is None
     assert checks.swap_topology_problem(None) is None  # no namespace: nothing says there are more
+
+
+def test_prefill_steps_take_the_project_attention_kernel_where_vllm_runs_its_triton_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BI off, a step with a prefill runs the project's attention kernel when vLLM's backend is TRITON_ATTN and the
+    KV cache holds the activations' dtype; decode-only steps (what the decode graphs capture), other backends, an
+    fp8 cache, CPU tensors and ``TITAN_PREFILL_ATTENTION=vllm`` keep vLLM's kernel."""
+    from vllm_titan_plugin import attention
+
+    cache = {"dtype": torch.bfloat16}
+    monkeypatch.setattr(compat, "paged_kv_views", lambda attn, head_dim: (torch.zeros(1, dtype=cache["dtype"]),) * 2)
+    kern = attention.VllmAttentionKernel.__new__(attention.VllmAttentionKernel)
+    backend = {"name": "TRITON_ATTN"}
+    object.__setattr__(kern, "attn", SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend["name"])))
+    kern.head_dim = 256
+    q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    prefill, decode = SimpleNamespace(max_query_len=528), SimpleNamespace(max_query_len=1)
+    monkeypatch.delenv(attention.PREFILL_ENV, raising=False)
+    assert kern.prefill_on_own_kernel(q, prefill)
+    assert not kern.prefill_on_own_kernel(q, decode)
+    assert not kern.prefill_on_own_kernel(SimpleNamespace(is_cuda=False, dtype=torch.bfloat16), prefill)
+    cache["dtype"] = torch.float8_e4m3fn
+    assert not kern.prefill_on_own_kernel(q, prefill)
+    cache["dtype"] = torch.bfloat16
+    backend["name"] = "FLASH_ATTN"
+    assert not kern.prefill_on_own_kernel(q, prefill)
+    backend["name"] = "TRITON_ATTN"
+    monkeypatch.setenv(attention.PREFILL_ENV, "vllm")
+    assert not kern.prefill_on_own_kernel(q, prefill)

@@ -10,9 +10,18 @@ the Triton kernel of ``titan_rl_ext.kernels.attention_triton`` in one launch, re
 block table (the trainer runs it over packed keys: same bits); on CPU ``attention_bi`` per sequence
 over keys gathered through the block table. vLLM still owns the cache memory, the block tables and
 prefix caching.
+
+Steps with a prefill take that kernel with BI off too, where vLLM's backend is its Triton one
+(``TRITON_ATTN``): at the 9B's heads (16 q / 4 kv of 256) it ran a prefill at ~112 TFLOP/s on the H200
+(``benchmarks/results/bi_attention_head.json``) where vLLM's unified Triton kernel ran ~65
+(``profile_fused_90fd736.json``: 0.53 ms per 2048-token sequence). Decode-only steps keep vLLM's kernel
+(the one the decode graphs capture). ``TITAN_PREFILL_ATTENTION=vllm`` keeps vLLM's kernel for every step.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -22,6 +31,10 @@ from titan_rl_ext.kernels.attention import attention_bi
 from titan_rl_ext.models.common.attention import KVState
 from titan_rl_ext.models.common.batch import SeqBatch
 from vllm_titan_plugin import checks, compat
+
+# "titan" (default): steps with a prefill run the project's attention kernel where vLLM's backend is TRITON_ATTN;
+# "vllm": vLLM's backend runs every non-BI step (checked at start-up: checks.prefill_attention_problem)
+PREFILL_ENV = checks.PREFILL_ATTENTION_ENV
 
 
 class VllmAttentionKernel(nn.Module):
@@ -66,16 +79,30 @@ class VllmAttentionKernel(nn.Module):
         state: KVState | None,
     ) -> tuple[torch.Tensor, KVState | None]:
         T = q_TNH.shape[0]
-        if bi.is_batch_invariant():
-            md = compat.layer_metadata(self.layer_name)
-            if md is not None:
-                return self._forward_batch_invariant(q_TNH, k_TKH, v_TKH, md), state
+        md = compat.layer_metadata(self.layer_name)
+        if md is not None and (bi.is_batch_invariant() or self.prefill_on_own_kernel(q_TNH, md)):
+            return self._forward_batch_invariant(q_TNH, k_TKH, v_TKH, md), state
         o_TF = self.attn(q_TNH.reshape(T, -1), k_TKH.reshape(T, -1), v_TKH.reshape(T, -1))
         return o_TF.view(T, self.n_heads, self.head_dim), state
+
+    def prefill_on_own_kernel(self, q_TNH: torch.Tensor, md: Any) -> bool:
+        """Whether a non-BI step runs the project's attention kernel instead of vLLM's backend: a step with a
+        prefill (``max_query_len > 1``, a host-side value of the metadata), on CUDA with triton, where the
+        backend is vLLM's Triton kernel and the cache holds the activations' dtype; not with
+        ``TITAN_PREFILL_ATTENTION=vllm``."""
+        if os.environ.get(PREFILL_ENV, "titan") == "vllm" or not q_TNH.is_cuda or bi._triton() is None:
+            return False
+        backend = getattr(self.attn, "attn_backend", None)
+        name = backend.get_name() if hasattr(backend, "get_name") else ""
+        if name != "TRITON_ATTN" or int(getattr(md, "max_query_len", 1)) <= 1:
+            return False
+        return compat.paged_kv_views(self.attn, self.head_dim)[0].dtype == q_TNH.dtype
 
     def _forward_batch_invariant(
         self, q_TNH: torch.Tensor, k_TKH: torch.Tensor, v_TKH: torch.Tensor, md: object
     ) -> torch.Tensor:
+        """The project's attention over vLLM's paged cache (BI mode, and non-BI prefills where
+        ``prefill_on_own_kernel`` says so): write this step's keys/values at vLLM's slots, then attend."""
         k_cache, v_cache = compat.paged_kv_views(self.attn, self.head_dim)  # [NB, bs, K, D]
         block_size = k_cache.shape[1]
         n = md.num_actual_tokens

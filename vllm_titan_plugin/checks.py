@@ -7,6 +7,8 @@ start-up (an error there stops the engine before it accepts traffic); the batch-
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 
@@ -35,6 +37,19 @@ def gdn_recurrent_kernel_problem() -> str | None:
     except ValueError as e:
         return f"--model-impl titan: {e}"
     return None
+
+
+PREFILL_ATTENTION_ENV = "TITAN_PREFILL_ATTENTION"
+PREFILL_ATTENTION_CHOICES = ("titan", "vllm")
+
+
+def prefill_attention_problem() -> str | None:
+    """``TITAN_PREFILL_ATTENTION`` picks the attention kernel of non-BI prefill steps (``vllm_titan_plugin.attention``);
+    an unknown value would otherwise go unnoticed (read as the default)."""
+    value = os.environ.get(PREFILL_ATTENTION_ENV, "titan")
+    if value in PREFILL_ATTENTION_CHOICES:
+        return None
+    return f"--model-impl titan: {PREFILL_ATTENTION_ENV}={value!r}: expected one of {', '.join(PREFILL_ATTENTION_CHOICES)}"
 
 
 def attention_head_size_problem(backend: Any, head_size: int) -> str | None:

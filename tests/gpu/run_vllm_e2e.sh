@@ -10,8 +10,8 @@
 #   bash tests/gpu/run_vllm_e2e.sh graphs   # tests/gpu/vllm_graphs.py: BI bits under every capture size = eager
 #   bash tests/gpu/run_vllm_e2e.sh graphs_moe  # the same on the 35B-A3B-shaped MoE checkpoint
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
-#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI, all three
-#                                           # engines up at once and timed rep by rep (interleaved) -> serving.json
+#   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI (and titan with
+#                                           # vLLM's prefill attention), all up at once, timed rep by rep -> serving.json
 #   bash tests/gpu/run_vllm_e2e.sh bench_eager  # titan eager beside titan (what the graphs buy)
 #   bash tests/gpu/run_vllm_e2e.sh bench_bi # titan with BI on vs off at a smaller prefill
 #   bash tests/gpu/run_vllm_e2e.sh profile  # one profiled generate call per workload: CUDA kernels by time
@@ -94,7 +94,7 @@ fi
 # the host's speed (decode at small B is host-bound) hits all three alike.
 if [[ $what == bench || $what == all ]]; then
     timeout 590 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi} --decode-tokens 128 --reps 5 \
+        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi,titan_vattn} --decode-tokens 128 --reps 5 \
         --out "$out/throughput.json" --serving-json "$out/serving.json" --timeout 300 2>&1 | tee "$out/throughput.log" | tail -14
 fi
 if [[ $what == bench_eager || $what == all ]]; then

@@ -306,7 +306,7 @@ def _check_layer_prep_in_kernel() -> None:
     forced, l2norm = layer.runs_titan_recurrent, layer.rows.l2norm
     norms = []
     layer.runs_titan_recurrent = lambda *a: True  # the dispatch asks for CUDA
-    layer.rows.l2norm = lambda t, *a: norms.append(1) or l2norm(t, *a)
+    layer.rows.l2norm = lambda t, *a, **kw: norms.append(1) or l2norm(t, *a, **kw)
     try:
         results = {}
         for fused in (True, False):

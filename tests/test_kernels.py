@@ -174,6 +174,46 @@ def test_fla_chunk_guard_override_is_one_mechanism(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_gdn_qk_dtype_follows_the_kernel_that_reads_them(monkeypatch) -> None:
+    """The layer hands q/k over (after their l2norm) in v's dtype where FLA's kernels run the call without a gradient
+    (they cast to it: the l2norm writes that rounding itself), else in fp32: with a gradient, for the project's
+    recurrent kernel (in place on an engine's cache, or gathered), and for the torch references (CPU)."""
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.models.qwen3_5 import gdn as layer
+
+    q, v = torch.zeros(6, 2, 8), torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    kern = layer.GatedDeltaRuleKernel("chunk")
+    with torch.no_grad():
+        assert kern.qk_dtype(q, v, 2, None) == torch.float32  # CPU: the torch references
+        for resolved, want in (("fla", torch.bfloat16), ("titan", torch.float32), ("torch", torch.float32)):
+            monkeypatch.setattr(layer, "resolve_backend", lambda *a, r=resolved: r)
+            assert kern.qk_dtype(q, v, 2, None) == want, resolved
+            with bi.batch_invariant(True):  # BI's recurrent forward: FLA's (TITAN_GDN_RECURRENT=fla) casts too
+                assert kern.qk_dtype(q, v, 2, None) == want, resolved
+        assert layer.GatedDeltaRuleKernel("chunk", backend="torch").qk_dtype(q, v, 2, None) == torch.float32
+        monkeypatch.setattr(layer, "resolve_backend", lambda *a: "fla")
+        cached = layer.CachedStateRuleKernel(kern)
+        cache = torch.zeros(5, 4, 8, 8)
+        cached.bind(torch.tensor([3, 1]), None)
+        monkeypatch.setattr(cached, "_in_place", lambda *a: True)
+        assert cached.qk_dtype(q, v, 2, cache) == torch.float32  # the project's kernel, on the cache in place
+        monkeypatch.setattr(cached, "_in_place", lambda *a: False)
+        assert cached.qk_dtype(q, v, 2, cache) == torch.bfloat16  # gathered for FLA
+    assert kern.qk_dtype(q, v, 2, None) == torch.float32  # a gradient: fp32 leaves, FLA casts inside autograd
+
+
+def test_l2norm_rounded_output_only_without_gradient() -> None:
+    """``rows.l2norm(out_dtype=)`` is the fp32 result rounded once (CPU: the reference, then the cast; the CUDA
+    kernel's store is checked against that on the GPU) and refuses a gradient (the trainer keeps fp32 q/k)."""
+    from titan_rl_ext.kernels import rows
+
+    x = torch.randn(5, 3, 16)
+    with torch.no_grad():
+        assert torch.equal(rows.l2norm(x, out_dtype=torch.bfloat16), rows.l2norm_torch(x).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="without a gradient"):
+        rows.l2norm(x.requires_grad_(True), out_dtype=torch.bfloat16)
+
+
 def test_conv_backward_launch_table(tmp_path, monkeypatch) -> None:
     """The conv backward's launch comes from its GPU's entry of the measured table over the default; a GPU
     without an entry (and CPU) gets the default; a malformed entry is an error naming the file."""

@@ -138,7 +138,8 @@ def test_norm_kernel_with_rotary_and_residual() -> None:
         rt.norm_rows(x, w, 1e-6, 1)
         rt.norm_rows(x, w, 1e-6, 2, gate=x)
         rt.norm_rows(x, w, 1e-6, 1, residual=x)
+        rt.norm_rows(x, None, 1e-6, 3, out_dtype=torch.bfloat16)  # l2norm written in bf16 for FLA's kernels
     assert [(launch.args["MODE"], launch.args["ROT"], launch.args["RES"]) for launch in launches] == [
-        (1, 64, False), (0, 64, False), (1, 0, False), (2, 0, False), (1, 0, True)]
+        (1, 64, False), (0, 64, False), (1, 0, False), (2, 0, False), (1, 0, True), (3, 0, False)]
     for launch in launches:
         _cubin(launch)

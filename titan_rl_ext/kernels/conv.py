@@ -180,7 +180,8 @@ def causal_conv1d(
     *,
     state_slots: torch.Tensor | None = None,
     state_keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    split: int | None = None,
+) -> tuple[Any, torch.Tensor]:
     """The model's conv: one Triton launch (plus one for the states) on CUDA, ``causal_conv1d_torch``
     elsewhere. Differentiable on both: on CUDA without initial state or bias (training) by the backward kernel
     (``TITAN_FUSED_BACKWARD=0``: by ``causal_conv1d_torch``'s gradient at the same inputs, as otherwise).
@@ -189,18 +190,30 @@ def causal_conv1d(
     row ``state_slots[n]`` (zeros where ``state_keep[n]`` is false), its final state is written back there, and
     the cache is returned as the state. The Triton kernel does it in place where it can
     (``conv_triton.slotted_conv_state_ok``, no gradient); otherwise the states are gathered (cast to x's dtype),
-    run as above, and scattered back: on one device, the same bits either way."""
+    run as above, and scattered back: on one device, the same bits either way.
+
+    ``split``: the output comes as its two column ranges ``(y[:, :split], y[:, split:])``, each contiguous where the
+    kernel runs without a gradient (it writes them apart), else views of one ``y``."""
     from titan_rl_ext.kernels.rows import fused_backward_on, kernel_with_reference_grad
 
     k = _kernels() if _on_kernel(x_TC) else None
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_TC, weight_CW, bias_C, initial_state))
+    if split is not None and (k is None or grad):  # one y, cut into views
+        y, final = causal_conv1d(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation,
+                                 state_slots=state_slots, state_keep=state_keep)
+        return (y[:, :split], y[:, split:]), final
     if state_slots is not None:
-        return _slotted(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation, state_slots, state_keep, k)
+        return _slotted(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation, state_slots, state_keep, k,
+                        split)
     if state_keep is not None:
         raise ValueError("state_keep goes with state_slots")
+    if split is not None:  # the kernel, no gradient
+        _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
+        return k.causal_conv1d_triton(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation, split=split)
     if k is None:
         return causal_conv1d_torch(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation)
     _check_args(x_TC, weight_CW, cu_seqlens, initial_state)
-    grad = torch.is_grad_enabled() and (x_TC.requires_grad or weight_CW.requires_grad)
     if grad and bias_C is None and initial_state is None and fused_backward_on():
         return _ConvKernelForwardBackward.apply(x_TC, weight_CW, cu_seqlens, activation)
     kernel = k.causal_conv1d_triton
@@ -217,7 +230,8 @@ def causal_conv1d(
 def _slotted(
     x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor, bias_C: torch.Tensor | None,
     cache: torch.Tensor | None, activation: str | None, slots: torch.Tensor, keep: torch.Tensor | None, k: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    split: int | None = None,
+) -> tuple[Any, torch.Tensor]:
     """``causal_conv1d`` on an engine's conv cache by slot (see there)."""
     W, N = weight_CW.shape[1], cu_seqlens.numel() - 1
     if cache is None or cache.dim() != 3 or tuple(cache.shape[1:]) != (W - 1, x_TC.shape[1]):
@@ -228,12 +242,12 @@ def _slotted(
     grad = torch.is_grad_enabled() and (x_TC.requires_grad or weight_CW.requires_grad or cache.requires_grad)
     if k is not None and not grad and k.slotted_conv_state_ok(cache, x_TC, W):
         return k.causal_conv1d_triton(x_TC, weight_CW, cu_seqlens, bias_C, cache, activation,
-                                      state_slots=slots, state_keep=keep)
+                                      state_slots=slots, state_keep=keep, split=split)
     idx = slots.long()
     s0 = cache.index_select(0, idx).to(x_TC.dtype)
     if keep is not None:
         # a recycled slot holds another request's (or uninitialised) state: where, not multiply
         s0 = torch.where(keep.to(torch.bool)[:, None, None], s0, torch.zeros_like(s0))
-    y, final = causal_conv1d(x_TC, weight_CW, cu_seqlens, bias_C, s0, activation)
+    y, final = causal_conv1d(x_TC, weight_CW, cu_seqlens, bias_C, s0, activation, split=split)
     cache.index_copy_(0, idx, final.to(cache.dtype))
     return y, cache

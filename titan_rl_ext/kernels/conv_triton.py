@@ -68,10 +68,11 @@ def _state_row0(n, slot_ptr, keep_ptr, live, stride_s, SLOTS: tl.constexpr, KEEP
 
 @triton.jit(do_not_specialize=["T", "N"])
 def _conv_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, slot_ptr, keep_ptr, cu_ptr, y_ptr,
-    T, C, N, stride_x, stride_s, stride_sr,
+    x_ptr, w_ptr, b_ptr, s_ptr, slot_ptr, keep_ptr, cu_ptr, y_ptr, y2_ptr,
+    T, C, N, stride_x, stride_s, stride_sr, split,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     HAS_STATE: tl.constexpr, SLOTS: tl.constexpr, KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    SPLIT: tl.constexpr,  # columns < split go to y [T, split], the rest to y2 [T, C - split] (both contiguous)
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -101,10 +102,17 @@ def _conv_fwd_kernel(
         acc += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(
-        y_ptr + offs_t.to(tl.int64)[:, None] * C + offs_c[None, :],
-        acc.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :],
-    )
+    if SPLIT:
+        rows = offs_t.to(tl.int64)[:, None]
+        tl.store(y_ptr + rows * split + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & (mask_c & (offs_c < split))[None, :])
+        tl.store(y2_ptr + rows * (C - split) + (offs_c - split)[None, :], acc.to(y2_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & (mask_c & (offs_c >= split))[None, :])
+    else:
+        tl.store(
+            y_ptr + offs_t.to(tl.int64)[:, None] * C + offs_c[None, :],
+            acc.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :],
+        )
 
 
 @triton.jit
@@ -338,9 +346,12 @@ def causal_conv1d_triton(
     *,
     state_slots: torch.Tensor | None = None,
     state_keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    split: int | None = None,
+) -> tuple[Any, torch.Tensor]:
     """Same contract as ``causal_conv1d_torch``: ``y [T, C]`` (x's dtype, contiguous) and the final states
-    ``[N, W-1, C]`` (x's dtype). ``x`` needs a unit column stride; its rows may be strided.
+    ``[N, W-1, C]`` (x's dtype). ``x`` needs a unit column stride; its rows may be strided. ``split``: ``y`` is
+    written as two contiguous tensors instead, columns ``[:split]`` and ``[split:]`` (``(y_a, y_b)`` in place of
+    ``y``): a consumer that needs one part contiguous (FLA's kernels copy a strided v) gets it without a copy.
 
     ``state_slots [N]`` (an engine's conv cache): ``initial_state`` is the cache ``[S, W-1, C]``
     (``slotted_conv_state_ok``), sequence n starts from cache row ``state_slots[n]`` -- from zeros where
@@ -369,7 +380,10 @@ def causal_conv1d_triton(
             raise ValueError("state_keep goes with state_slots")
         state = None if initial_state is None else initial_state.to(x_TC.dtype).contiguous()
         final = torch.empty(N, W - 1, C, dtype=x_TC.dtype, device=x_TC.device)
-    y = torch.empty(T, C, dtype=x_TC.dtype, device=x_TC.device)
+    if split is not None and not 0 < split < C:
+        raise ValueError(f"split must cut the {C} channels in two; got {split}")
+    y = torch.empty(T, C if split is None else split, dtype=x_TC.dtype, device=x_TC.device)
+    y2 = y if split is None else torch.empty(T, C - split, dtype=x_TC.dtype, device=x_TC.device)
     dummy = w  # stands in for absent pointers (never read: the constexpr flags drop those loads)
     s_arg = state if state is not None else dummy
     slot_arg = state_slots if slots else dummy
@@ -380,14 +394,14 @@ def causal_conv1d_triton(
     if T > 0:
         BLOCK_T = 32 if T >= 32 else triton.next_power_of_2(T)
         _conv_fwd_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))](
-            x_TC, w, bias_C if bias_C is not None else dummy, s_arg, slot_arg, keep_arg, cu, y,
-            T, C, N, x_TC.stride(0), *s_strides,
+            x_TC, w, bias_C if bias_C is not None else dummy, s_arg, slot_arg, keep_arg, cu, y, y2,
+            T, C, N, x_TC.stride(0), *s_strides, split or 0,
             W=W, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, SEARCH_STEPS=max(1, N.bit_length()),
-            HAS_BIAS=bias_C is not None, SILU=activation == "silu", num_warps=4, **flags,
+            HAS_BIAS=bias_C is not None, SILU=activation == "silu", SPLIT=split is not None, num_warps=4, **flags,
         )
     if N > 0 and W > 1:
         _conv_state_kernel[(N, triton.cdiv(C, BLOCK_C))](
             x_TC, s_arg, slot_arg, keep_arg, cu, final, C, x_TC.stride(0), *s_strides, final.stride(0), final.stride(1),
             W=W, BLOCK_S=triton.next_power_of_2(W - 1), BLOCK_C=BLOCK_C, num_warps=4, **flags,
         )
-    return y, final
+    return (y if split is None else (y, y2)), final

@@ -67,10 +67,13 @@ class GDNState:
 
 
 class CausalConvKernel(nn.Module):
+    """``(y, state)``; with ``split`` ``y`` comes as its two column ranges (``kernels.conv.causal_conv1d``)."""
+
     def forward(
-        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu")
+        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None,
+        split: int | None = None,
+    ) -> tuple[Any, torch.Tensor]:
+        return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu", split=split)
 
 
 class CachedStateConvKernel(nn.Module):
@@ -93,12 +96,13 @@ class CachedStateConvKernel(nn.Module):
         self._slots = self._keep = None
 
     def forward(
-        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None,
+        split: int | None = None,
+    ) -> tuple[Any, torch.Tensor]:
         if self._slots is None or state is None:
-            return self.base(x_TC, weight_CW, batch, state)
+            return self.base(x_TC, weight_CW, batch, state, split)
         return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu",
-                             state_slots=self._slots, state_keep=self._keep)
+                             state_slots=self._slots, state_keep=self._keep, split=split)
 
 
 class GatedDeltaRuleKernel(nn.Module):
@@ -283,12 +287,14 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         T = x_TD.shape[0]
         mixed_TC, z_TF, b_TH, a_TH = self.in_proj.split(self.in_proj(x_TD))
-        # mixed_TC is a column slice of the merged projection: the conv reads it in place (rows strided)
-        qkv_TC, conv_state = self.conv_kernel(
-            mixed_TC, self.conv_weight.to(x_TD.dtype).squeeze(1), batch, None if state is None else state.conv
+        # mixed_TC is a column slice of the merged projection: the conv reads it in place (rows strided), and
+        # writes q/k and v apart, so that v is contiguous where FLA's kernels would otherwise copy it
+        (qk_TC, v), conv_state = self.conv_kernel(
+            mixed_TC, self.conv_weight.to(x_TD.dtype).squeeze(1), batch, None if state is None else state.conv,
+            split=2 * cfg.key_dim,
         )
-        q, k, v = torch.split(qkv_TC, [cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
-        # head views of a [T, conv_dim] buffer, read in place
+        q, k = torch.split(qk_TC, [cfg.key_dim, cfg.key_dim], dim=-1)
+        # head views of the conv's output, read in place
         q_raw = q.reshape(T, cfg.n_k_heads, cfg.k_head_dim)
         k_raw = k.reshape(T, cfg.n_k_heads, cfg.k_head_dim)
         v_THV = v.reshape(T, cfg.n_v_heads, cfg.v_head_dim)

@@ -183,14 +183,19 @@ def _fits(x: torch.Tensor) -> bool:
     return x.shape[-1] <= _kernels().MAX_D and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _norm_mode(x: torch.Tensor, weight: torch.Tensor, zero_centered: bool) -> tuple[int, torch.dtype]:
+    """The RMSNorm flavour as the kernel's MODE, and its output dtype (``rms_norm_torch``'s)."""
+    if zero_centered:
+        return 1, x.dtype
+    return 0, torch.promote_types(weight.dtype, x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """``rms_norm_torch``; one Triton launch on CUDA."""
     if not (fused_available(x, weight) and _fits(x) and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return rms_norm_torch(x, weight, eps, zero_centered)
     k = _kernels()
-    out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
-
-    mode = 1 if zero_centered else 0
+    mode, out = _norm_mode(x, weight, zero_centered)
 
     def kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return k.norm_rows(x, w.contiguous(), eps, mode, out_dtype=out)
@@ -209,8 +214,8 @@ class _AddRMSNorm(torch.autograd.Function):
     the reference's gradient there), plus the sum's own gradient, to both addends."""
 
     @staticmethod
-    def forward(ctx, x, h, w, eps, zero_centered, out):  # type: ignore[no-untyped-def]
-        s, y = _kernels().norm_rows(x, w.contiguous(), eps, 1 if zero_centered else 0, out_dtype=out, residual=h)
+    def forward(ctx, x, h, w, eps, zero_centered):  # type: ignore[no-untyped-def]
+        s, y = _add_rms_norm_kernel(x, h, w, eps, zero_centered)
         ctx.save_for_backward(s, w)
         ctx.eps, ctx.zero_centered = eps, zero_centered
         return s, y
@@ -219,13 +224,21 @@ class _AddRMSNorm(torch.autograd.Function):
     def backward(ctx, ds, dy):  # type: ignore[no-untyped-def]
         s, w = ctx.saved_tensors
         if fused_backward_on():
-            dn, dw, _ = _kernels().norm_rows_backward(s, w.contiguous(), ctx.eps, 1 if ctx.zero_centered else 0, dy)
+            mode = _norm_mode(s, w, ctx.zero_centered)[0]
+            dn, dw, _ = _kernels().norm_rows_backward(s, w.contiguous(), ctx.eps, mode, dy)
         else:
             sg, wg = s.detach().requires_grad_(True), w.detach().requires_grad_(True)
             with torch.enable_grad():
                 dn, dw = torch.autograd.grad(rms_norm_torch(sg, wg, ctx.eps, ctx.zero_centered), (sg, wg), dy)
         d = dn if ds is None else ds + dn  # the sum's gradient reaches both addends
-        return d, d, dw, None, None, None
+        return d, d, dw, None, None
+
+
+def _add_rms_norm_kernel(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    mode, out = _norm_mode(x, weight, zero_centered)
+    return _kernels().norm_rows(x, weight.contiguous(), eps, mode, out_dtype=out, residual=h)
 
 
 def add_rms_norm(
@@ -236,10 +249,9 @@ def add_rms_norm(
     if not (fused_available(x, h, weight) and _fits(x) and h.shape == x.shape and h.dtype == x.dtype
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return add_rms_norm_torch(x, h, weight, eps, zero_centered)
-    out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, h, weight)):
-        return _AddRMSNorm.apply(x, h, weight, eps, zero_centered, out)
-    return _kernels().norm_rows(x, weight.contiguous(), eps, 1 if zero_centered else 0, out_dtype=out, residual=h)
+        return _AddRMSNorm.apply(x, h, weight, eps, zero_centered)
+    return _add_rms_norm_kernel(x, h, weight, eps, zero_centered)
 
 
 def rms_norm_rotary(
@@ -248,15 +260,12 @@ def rms_norm_rotary(
     """``rms_norm_rotary_torch`` (``x`` ``[T, heads, D]``, e.g. a head view of the attention's merged projection);
     one Triton launch on CUDA, where the norm and the rotary took eight (the norm, a negation, two concatenations,
     two products, a sum, the pass-through copy)."""
-    out = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
-    if not (fused_available(x, weight, cos_TR, sin_TR) and _fits(x) and x.dim() == 3
+    mode, out = _norm_mode(x, weight, zero_centered)
+    if not (fused_available(x, weight, cos_TR, sin_TR) and _fits(x)
             and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and cos_TR.dtype == sin_TR.dtype == out and cos_TR.shape == sin_TR.shape == (x.shape[0], cos_TR.shape[-1])
-            and cos_TR.shape[-1] % 2 == 0 and cos_TR.shape[-1] <= x.shape[-1]
-            and cos_TR.stride(-1) == 1 and sin_TR.stride() == cos_TR.stride()):
+            and _kernels().rotary_problem(x, mode, cos_TR, sin_TR, out) is None):
         return rms_norm_rotary_torch(x, weight, cos_TR, sin_TR, eps, zero_centered)
     k = _kernels()
-    mode = 1 if zero_centered else 0
 
     def kernel(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return k.norm_rows(x, w.contiguous(), eps, mode, out_dtype=out, cos=c, sin=s)

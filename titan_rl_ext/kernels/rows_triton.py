@@ -231,6 +231,21 @@ def _rows_3d(x: torch.Tensor) -> torch.Tensor:
     return x3 if x3.stride(-1) == 1 else x3.contiguous()
 
 
+def rotary_problem(
+    x: torch.Tensor, mode: int, cos: torch.Tensor, sin: torch.Tensor | None, out_dtype: torch.dtype
+) -> str | None:
+    """Why ``norm_rows`` cannot apply this rotary embedding (None: it can): it needs x ``[T, heads, D]`` in modes
+    0/1 and cos/sin ``[T, R]`` (R even, at most D) in the output's dtype, with one layout and a unit last stride."""
+    rot, D = cos.shape[-1], x.shape[-1]
+    if (mode not in (0, 1) or sin is None or x.dim() != 3 or cos.shape != (x.shape[0], rot) or sin.shape != cos.shape
+            or rot % 2 or rot > D or cos.dtype != out_dtype or sin.dtype != out_dtype or cos.stride(-1) != 1
+            or sin.stride() != cos.stride()):
+        return (f"rotary needs x [T, heads, D] (modes 0/1) and cos/sin [T, R<=D] (R even) in the output's dtype with "
+                f"one layout; got x {tuple(x.shape)}, mode {mode}, cos {tuple(cos.shape)} {cos.dtype}, "
+                f"sin {None if sin is None else (tuple(sin.shape), sin.dtype)}")
+    return None
+
+
 def norm_rows(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: int,
     gate: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, mid_dtype: torch.dtype | None = None,
@@ -261,13 +276,9 @@ def norm_rows(
         raise ValueError(f"weight must be a contiguous [{D}] vector, got {tuple(weight.shape)}")
     rot = 0
     if cos is not None:
+        if (problem := rotary_problem(x, mode, cos, sin, y.dtype)) is not None:
+            raise ValueError(problem)
         rot = cos.shape[-1]
-        if (mode not in (0, 1) or sin is None or x.dim() != 3 or cos.shape != (x.shape[0], rot) or sin.shape != cos.shape
-                or rot % 2 or rot > D or cos.dtype != y.dtype or sin.dtype != y.dtype or cos.stride(-1) != 1
-                or sin.stride() != cos.stride()):
-            raise ValueError(f"rotary needs x [T, heads, D] (modes 0/1) and cos/sin [T, R<=D] (R even) in the output's "
-                             f"dtype with one layout; got x {tuple(x.shape)}, mode {mode}, cos "
-                             f"{tuple(cos.shape)} {cos.dtype}, sin {None if sin is None else (tuple(sin.shape), sin.dtype)}")
     if residual is not None and (mode not in (0, 1) or residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype} (modes 0/1); got "
                          f"{tuple(residual.shape)} {residual.dtype}, mode {mode}")

@@ -76,13 +76,12 @@ class CausalConvKernel(nn.Module):
         return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu", split=split)
 
 
-class CachedStateConvKernel(nn.Module):
-    """The conv of an engine that keeps every sequence's conv state in one cache ``[S, W-1, C]`` indexed by slot.
-    Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer the cache
-    itself as ``state.conv``; the conv reads and writes the slots (in place where its kernel can) and returns
-    the cache as the new state. Unbound (a profiling run), ``base`` runs on the state given."""
+class _SlotBound(nn.Module):
+    """A sequence kernel of an engine that keeps every sequence's state in one cache indexed by slot: ``base``
+    (the layer's own kernel) plus this step's slots, which the engine ``bind`` s before the layer runs and
+    ``unbind`` s after."""
 
-    def __init__(self, base: CausalConvKernel) -> None:
+    def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
         self._slots: torch.Tensor | None = None
@@ -94,6 +93,13 @@ class CachedStateConvKernel(nn.Module):
 
     def unbind(self) -> None:
         self._slots = self._keep = None
+
+
+class CachedStateConvKernel(_SlotBound):
+    """The conv of an engine that keeps every sequence's conv state in one cache ``[S, W-1, C]`` indexed by slot.
+    Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer the cache
+    itself as ``state.conv``; the conv reads and writes the slots (in place where its kernel can) and returns
+    the cache as the new state. Unbound (a profiling run), ``base`` runs on the state given."""
 
     def forward(
         self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None,
@@ -147,7 +153,7 @@ class GatedDeltaRuleKernel(nn.Module):
         return f"mode={self.mode}, backend={self.backend}"
 
 
-class CachedStateRuleKernel(nn.Module):
+class CachedStateRuleKernel(_SlotBound):
     """The rule kernel of an engine that keeps every sequence's state in one cache ``[S, HV, K, V]`` indexed by
     slot. Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer
     the cache itself as ``state.ssm``. Where the project's recurrent kernel runs the call (``kernels.gdn``'s
@@ -156,18 +162,7 @@ class CachedStateRuleKernel(nn.Module):
     scatters the ``[N, ...]`` states it returns. Same per-token arithmetic either way, so BI bits do not
     depend on where the state lives."""
 
-    def __init__(self, base: GatedDeltaRuleKernel) -> None:
-        super().__init__()
-        self.base = base
-        self._slots: torch.Tensor | None = None
-        self._keep: torch.Tensor | None = None
-
-    def bind(self, slots: torch.Tensor, keep: torch.Tensor | None) -> None:
-        """This step's slot of each sequence ``[N]`` and whether it holds prior state ``[N]`` (None: all do)."""
-        self._slots, self._keep = slots, keep
-
-    def unbind(self) -> None:
-        self._slots = self._keep = None
+    base: GatedDeltaRuleKernel
 
     def prep_in_kernel(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
         """Whether this call should take raw q/k/a/b (``forward_raw``) and leave the l2norms and gates to the

@@ -235,3 +235,35 @@ def test_recapture_on_the_v2_runner() -> None:
     mgr = bad.model_runner.cudagraph_manager
     assert not mgr.graphs and not mgr._graphs_captured  # dispatch() answers NONE: every step eager
     assert not graphs.has_graphs(bad) and graphs.recapture(bad) == "none"
+
+
+def test_gdn_step_bounds_made_once_per_forward() -> None:
+    """Every GDN layer of a step reads one metadata object: the first layer's bounds are reused by the rest of
+    that forward (fewer launches per decode step), and a later forward on the same object -- its tensors
+    refilled in place -- gets bounds made afresh."""
+    import torch
+
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from vllm_titan_plugin.gdn_layer import _step_bounds
+
+    def step(T: int) -> SeqBatch:
+        return SeqBatch(cu_seqlens=torch.tensor([0, T], dtype=torch.int32), positions=torch.arange(T), max_seqlen=T)
+
+    # decode-only: 3 requests, one token each, slots by the metadata, every request continues
+    md = SimpleNamespace(num_prefills=0, non_spec_state_indices_tensor=torch.tensor([4, 9, 2], dtype=torch.int32),
+                         non_spec_query_start_loc=None, has_initial_state=None)
+    b1 = step(3)
+    first = _step_bounds(md, b1, 3, torch.device("cpu"))
+    assert _step_bounds(md, b1, 3, torch.device("cpu")) is first
+    assert torch.equal(first.seq.cu_seqlens, torch.arange(4, dtype=torch.int32))
+    assert first.slots.dtype == torch.int64 and first.slots.tolist() == [4, 9, 2] and first.keep is None
+
+    # the same object in the next forward, refilled in place: a mixed step of 2 sequences (5 + 2 tokens)
+    md.num_prefills = 1
+    md.non_spec_state_indices_tensor[:2] = torch.tensor([7, 1], dtype=torch.int32)
+    md.non_spec_query_start_loc = torch.tensor([0, 5, 7], dtype=torch.int32)
+    md.has_initial_state = torch.tensor([True, False])
+    second = _step_bounds(md, step(7), 7, torch.device("cpu"))
+    assert second is not first
+    assert second.seq.cu_seqlens.tolist() == [0, 5, 7] and second.slots.tolist() == [7, 1]
+    assert second.keep.tolist() == [True, False] and second.seq.positions.shape[0] == 7

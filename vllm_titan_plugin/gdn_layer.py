@@ -11,7 +11,7 @@ Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -84,27 +84,9 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
             raise NotImplementedError("--model-impl titan does not support speculative decoding")
 
         T = md.num_actual_tokens  # x_TD may carry padding after the real tokens
-        if md.num_prefills == 0 and md.non_spec_state_indices_tensor.shape[0] == T:
-            # Decode-only step (what a full CUDA graph captures): one token per request, bounds by arange,
-            # not from the metadata. Under graph padding vLLM gives the padded requests zero tokens and
-            # state slot 0 (its null block); here each padded request takes one padded token instead, so
-            # every token belongs to a sequence (nothing reads uninitialised rows) and the garbage lands in
-            # slot 0, which no request owns. Real requests compute exactly what the metadata bounds give.
-            cu_seqlens = torch.arange(T + 1, dtype=torch.int32, device=x_TD.device)
-        else:
-            cu_seqlens = md.non_spec_query_start_loc
-        n_seqs = cu_seqlens.numel() - 1
-        slots = md.non_spec_state_indices_tensor[:n_seqs].long()
+        _, seq, slots, keep = _step_bounds(md, batch, T, x_TD.device)
         conv_cache, ssm_cache = compat.mamba_state_tensors(self)
-        has_initial = md.has_initial_state  # None: every request continues (decode-only step)
-        # a recycled slot holds another request's (or uninitialised) state: the kernels start it from zeros
-        keep = None if has_initial is None else has_initial[:n_seqs].to(torch.bool)
 
-        seq = SeqBatch(
-            cu_seqlens=cu_seqlens.to(torch.int32),
-            positions=batch.positions[:T],
-            max_seqlen=T,  # an upper bound: the exact value would cost a host sync every layer
-        )
         # both caches go in whole: the sequence kernels read and write this step's slots (in place where their
         # kernels can); the rule kernel may instead return the N new ssm states, scattered here
         kernels = (self.layer.conv_kernel, self.layer.rule_kernel)
@@ -123,3 +105,52 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
         if T < x_TD.shape[0]:
             y_TD = torch.cat([y_TD, y_TD.new_zeros(x_TD.shape[0] - T, y_TD.shape[1])])
         return y_TD, state
+
+
+class _StepBounds(NamedTuple):
+    step: SeqBatch  # the forward's whole-step batch these bounds were made in (a fresh object per forward)
+    seq: SeqBatch
+    slots: torch.Tensor
+    keep: torch.Tensor | None
+
+
+_BOUNDS_ATTR = "_titan_gdn_bounds"
+
+
+def _step_bounds(md: Any, batch: SeqBatch, T: int, device: torch.device) -> _StepBounds:
+    """The step's sequence bounds, state slots and which slots hold prior state, from the GDN metadata.
+
+    Every GDN layer of a step reads the same metadata object, so the first layer's result is kept on it and the
+    others reuse it: at decode that spares each further layer its launches (the arange, the slot cast). Kept only
+    for the forward that made it (``step``): a metadata object reused by a later forward, its tensors refilled
+    in place, gets fresh bounds."""
+    cached = getattr(md, _BOUNDS_ATTR, None)
+    if cached is not None and cached.step is batch:
+        return cached
+    if md.num_prefills == 0 and md.non_spec_state_indices_tensor.shape[0] == T:
+        # Decode-only step (what a full CUDA graph captures): one token per request, bounds by arange,
+        # not from the metadata. Under graph padding vLLM gives the padded requests zero tokens and
+        # state slot 0 (its null block); here each padded request takes one padded token instead, so
+        # every token belongs to a sequence (nothing reads uninitialised rows) and the garbage lands in
+        # slot 0, which no request owns. Real requests compute exactly what the metadata bounds give.
+        cu_seqlens = torch.arange(T + 1, dtype=torch.int32, device=device)
+    else:
+        cu_seqlens = md.non_spec_query_start_loc
+    n_seqs = cu_seqlens.numel() - 1
+    has_initial = md.has_initial_state  # None: every request continues (decode-only step)
+    bounds = _StepBounds(
+        step=batch,
+        seq=SeqBatch(
+            cu_seqlens=cu_seqlens.to(torch.int32),
+            positions=batch.positions[:T],
+            max_seqlen=T,  # an upper bound: the exact value would cost a host sync every layer
+        ),
+        slots=md.non_spec_state_indices_tensor[:n_seqs].long(),
+        # a recycled slot holds another request's (or uninitialised) state: the kernels start it from zeros
+        keep=None if has_initial is None else has_initial[:n_seqs].to(torch.bool),
+    )
+    try:
+        setattr(md, _BOUNDS_ATTR, bounds)
+    except (AttributeError, TypeError):  # a metadata class with __slots__ or frozen: compute per layer
+        pass
+    return bounds

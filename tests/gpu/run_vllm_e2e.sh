@@ -8,6 +8,9 @@
 #   bash tests/gpu/run_vllm_e2e.sh parity   # tools.parity BI on/off (PARITY_BI_ONLY=1: on), prefix caching + split prefills, both shapes
 #                                           # (the engine as shipped: full decode CUDA graphs; PARITY_EAGER=1: --enforce-eager)
 #   bash tests/gpu/run_vllm_e2e.sh graphs   # tests/gpu/vllm_graphs.py: BI bits under every capture size = eager
+#   bash tests/gpu/run_vllm_e2e.sh checks_bg   # parity then graphs, in the background (their engines take 0.3 of the
+#                                              # GPU each): start it before `run_pytest.sh` in one call, then
+#   bash tests/gpu/run_vllm_e2e.sh checks_wait # wait for it (at most CHECKS_WAIT_S, default 400 s) and bring its logs to $OUT
 #   bash tests/gpu/run_vllm_e2e.sh graphs_moe  # the same on the 35B-A3B-shaped MoE checkpoint
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
 #   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI (and titan with
@@ -40,6 +43,20 @@ if [[ $what == setup_bg ]]; then
         > /dev/null 2>&1 < /dev/null &
     trap - EXIT
     echo "setup started in the background (log: /tmp/e2e-setup.log)"; exit 0
+fi
+if [[ $what == checks_bg ]]; then  # correctness only: nothing timed may run beside it
+    rm -rf /tmp/e2e-checks /tmp/e2e-checks.done; mkdir -p /tmp/e2e-checks
+    OUT=/tmp/e2e-checks setsid nohup bash -c "bash '$0' parity > /tmp/e2e-checks/checks.log 2>&1; bash '$0' graphs >> /tmp/e2e-checks/checks.log 2>&1; touch /tmp/e2e-checks.done" \
+        > /dev/null 2>&1 < /dev/null &
+    trap - EXIT
+    echo "parity + graphs started in the background (log: /tmp/e2e-checks/checks.log)"; exit 0
+fi
+if [[ $what == checks_wait ]]; then
+    t=$(date +%s)
+    while [ ! -f /tmp/e2e-checks.done ] && (( $(date +%s) - t < ${CHECKS_WAIT_S:-400} )); do sleep 3; done
+    [ -f /tmp/e2e-checks.done ] && echo "checks done (waited $(( $(date +%s) - t )) s)" || echo "checks STILL RUNNING after $(( $(date +%s) - t )) s"
+    cat /tmp/e2e-checks/checks.log; cp /tmp/e2e-checks/*.log /tmp/e2e-checks/*.json "$out"/ 2>/dev/null
+    trap - EXIT; exit 0
 fi
 if [[ $what != setup && $what != all && -f $ck/.setup-running ]]; then  # a setup_bg build still running
     t=$(date +%s)

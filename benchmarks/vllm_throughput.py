@@ -268,6 +268,7 @@ def main() -> int:
     if unknown := [c for c in cfgs if c not in CONFIGS]:
         ap.error(f"unknown configs {unknown}; choose from {CONFIGS}")
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")
+    os.makedirs(log_dir, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     if args.merge:
         with open(args.merge) as f:

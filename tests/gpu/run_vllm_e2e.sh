@@ -111,7 +111,7 @@ fi
 # the host's speed (decode at small B is host-bound) hits all three alike.
 if [[ $what == bench || $what == all ]]; then
     timeout 590 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi,titan_vattn} --decode-tokens 128 --reps 5 \
+        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi,titan_vattn} --decode-tokens 128 --reps ${BENCH_REPS:-5} \
         --out "$out/throughput.json" --serving-json "$out/serving.json" --timeout 300 2>&1 | tee "$out/throughput.log" | tail -14
 fi
 if [[ $what == bench_eager || $what == all ]]; then

@@ -4,6 +4,7 @@
 # scripts/make_trainer_carry.sh) installed into /tmp/gpu-test-site, vLLM where the set-up staged it.
 #
 #   bash tests/gpu/run_pytest.sh [pytest args]      # carry .whl; after `device_setup_vllm.sh install` for the vLLM tests
+#   bash tests/gpu/run_pytest.sh tests/gpu/test_x.py  # only that file (a path given replaces tests/gpu)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 site=/tmp/gpu-test-site
@@ -16,6 +17,9 @@ fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 source tests/gpu/triton_autotune.sh
 triton_autotune_restore
-python3 -m pytest -q -rfEs tests/gpu "$@"; rc=$?
+# tests/gpu unless a test path is given (then only what is named runs)
+targets=(tests/gpu)
+for a in "$@"; do [[ $a == tests/* ]] && { targets=(); break; }; done
+python3 -m pytest -q -rfEs "${targets[@]}" "$@"; rc=$?
 triton_autotune_save "${OUT:-/tmp}"
 exit $rc

@@ -8,6 +8,10 @@ answers one JSON command per stdin line with one ``REPLY {json}`` line on stdout
 - ``{"op": "decode", "B": 32, "tokens": 64}``: one timed ``generate`` of B prompts of 32 tokens, ``tokens``
   new tokens each (the first call of a workload runs it once untimed: graphs, autotuning, allocator)
 - ``{"op": "prefill", "N": 16, "L": 2048}``: one timed ``generate`` of N prompts of L tokens, one new token each
+- ``{"op": "rollout", "N": 1024, "L": 256, "T": 128}``: one timed ``generate`` of N prompts of L tokens whose
+  lengths of answer are drawn from [T/4, 2T) (``rollout_lengths``): an RL rollout's shape. The engine holds at
+  most ``--max-num-seqs`` requests at once, so as short answers finish, waiting prompts are prefilled in the
+  same steps as the running decodes -- mixed steps, which the decode and prefill workloads never take
 - ``{"op": "profile" | "anatomy" | "host_profile", ...workload}``: one profiled call of that workload (CUDA
   kernels by time; per-step host scopes and GPU busy time; cProfile of the host)
 - ``{"op": "probe"}``: the process's host state (``host_probe``); ``{"op": "quit"}``
@@ -34,6 +38,15 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, when profiling
 
 EAGER = ("native", "titan_eager", "titan_bi_eager")
+
+
+def rollout_lengths(n: int, t: int, key: str) -> list[int]:
+    """The answer length of each of a rollout workload's ``n`` requests, uniform in [t/4, 2t), seeded by the
+    workload's key: every configuration (and the driver, which counts the tokens) gets the same lengths."""
+    import random
+
+    rng = random.Random(zlib.crc32(key.encode()))
+    return [rng.randrange(max(t // 4, 1), 2 * t) for _ in range(n)]
 
 
 def _sync() -> None:
@@ -144,19 +157,27 @@ class Engine:
             self.info["prefill_attention"] = os.environ.get("TITAN_PREFILL_ATTENTION", "titan")
         self._warm: set[str] = set()
 
-    def _workload(self, cmd: dict[str, Any]) -> tuple[str, list[Any], Any]:
+    def _workload(self, cmd: dict[str, Any]) -> tuple[str, list[Any], list[Any]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if cmd["op_workload"] == "decode":
-            key, n, length, new = f"decode B={cmd['B']}", cmd["B"], 32, cmd["tokens"]
+        kind = cmd["op_workload"]
+        if kind == "decode":
+            key, n, length = f"decode B={cmd['B']}", cmd["B"], 32
+            news = [cmd["tokens"]] * n
+        elif kind == "prefill":
+            key, n, length = f"prefill {cmd['N']}x{cmd['L']}", cmd["N"], cmd["L"]
+            news = [1] * n
+        elif kind == "rollout":
+            key, n, length = f"rollout {cmd['N']}x{cmd['L']}x{cmd['T']}", cmd["N"], cmd["L"]
+            news = rollout_lengths(n, cmd["T"], key)
         else:
-            key, n, length, new = f"prefill {cmd['N']}x{cmd['L']}", cmd["N"], cmd["L"], 1
+            raise ValueError(f"unknown workload {kind!r}")
         g = self.torch.Generator().manual_seed(zlib.crc32(key.encode()))
         vocab = min(self.args.prompt_vocab, 500)
         ps = [TokensPrompt(prompt_token_ids=self.torch.randint(3, vocab, (length,), generator=g).tolist())
               for _ in range(n)]
-        return key, ps, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+        return key, ps, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False) for m in news]
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
@@ -168,14 +189,14 @@ class Engine:
         if key not in self._warm:  # same shapes, untimed
             call()
             self._warm.add(key)
-        if op in ("decode", "prefill"):
+        if op in ("decode", "prefill", "rollout"):
             _sync()
             t = time.perf_counter()
             outs = call()
             _sync()
             s = time.perf_counter() - t
-            if any(len(o.outputs[0].token_ids) != sp.max_tokens for o in outs):
-                raise RuntimeError(f"{key}: a request stopped before {sp.max_tokens} tokens")
+            if any(len(o.outputs[0].token_ids) != p.max_tokens for o, p in zip(outs, sp, strict=True)):
+                raise RuntimeError(f"{key}: a request stopped before its max_tokens")
             return {"key": key, "s": s}
         from bench_common import profile_step, step_anatomy
 
@@ -184,7 +205,7 @@ class Engine:
         if op == "anatomy":
             return step_anatomy(call)
         if op == "host_profile":
-            return host_profiled(call, sp.max_tokens)
+            return host_profiled(call, sp[0].max_tokens)
         raise ValueError(f"unknown op {op!r}")
 
 

@@ -2,8 +2,8 @@
 
     python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native_graphs,titan,titan_bi]
         [--batch-sizes 1,32,256] [--decode-tokens 128] [--reps 5] [--out results.json] [--merge earlier.json]
-        [--serving-json benchmarks/results/serving.json] [--profile] [--host-profile] [--step-anatomy]
-        [--sequential]
+        [--serving-json benchmarks/results/serving.json] [--rollout 1024x256x128] [--profile] [--host-profile]
+        [--step-anatomy] [--sequential]
 
 Configurations (each engine in its own process, ``vllm_engine_worker.py``):
 
@@ -30,6 +30,9 @@ engine at a time (for models that do not fit several times).
 Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
 detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included).
 Prefill: ``--prefill`` N prompts of L tokens (default 16x2048), one new token each; tokens/s = prompt tokens / wall.
+Rollout (``--rollout NxLxT``, off by default): N prompts of L tokens, answers of lengths drawn from [T/4, 2T)
+(the worker's ``rollout_lengths``), at most the engine's ``max_num_seqs`` at once -- prefills of waiting prompts
+share steps with running decodes, as in an RL rollout; tokens/s = generated tokens / wall.
 The driver prints titan/native and titan_bi/titan ratios per workload. ``--native-dir`` serves the native
 engine from another directory holding the same weights (e.g. the multimodal layout vLLM's native class needs).
 """
@@ -46,6 +49,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from vllm_engine_worker import rollout_lengths
 
 CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_vattn", "titan_rec",
            "titan_bi_rec", "titan_fla", "titan_bi_fla")
@@ -117,18 +122,26 @@ class Worker:
 
 def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
     n, length = (int(x) for x in args.prefill.split("x"))
+    rollout = []
+    if args.rollout:
+        rn, rl, rt = (int(x) for x in args.rollout.split("x"))
+        rollout = [{"op": "rollout", "N": rn, "L": rl, "T": rt}]
     return ([{"op": "decode", "B": b, "tokens": args.decode_tokens} for b in args.batch_sizes]
-            + [{"op": "prefill", "N": n, "L": length}])
+            + [{"op": "prefill", "N": n, "L": length}] + rollout)
 
 
 def _names(wl: dict[str, Any]) -> tuple[str, str, str]:
     """A workload's key (as the worker reports it) and its (kind, size) in the results: ``decode B=32``,
-    ("decode", "32"); ``prefill 16x2048``, ("prefill", "16x2048")."""
-    size = str(wl["B"]) if wl["op"] == "decode" else f"{wl['N']}x{wl['L']}"
-    return (f"decode B={size}" if wl["op"] == "decode" else f"prefill {size}"), wl["op"], size
+    ("decode", "32"); ``prefill 16x2048``, ("prefill", "16x2048"); ``rollout 1024x256x128``."""
+    if wl["op"] == "decode":
+        return f"decode B={wl['B']}", "decode", str(wl["B"])
+    size = f"{wl['N']}x{wl['L']}" + (f"x{wl['T']}" if wl["op"] == "rollout" else "")
+    return f"{wl['op']} {size}", wl["op"], size
 
 
 def _tok_s(w: dict[str, Any], s: float) -> float:
+    if w["op"] == "rollout":  # generated tokens: the lengths every engine was given
+        return sum(rollout_lengths(w["N"], w["T"], _names(w)[0])) / s
     return w["B"] * w["tokens"] / s if w["op"] == "decode" else w["N"] * w["L"] / s
 
 
@@ -140,7 +153,7 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
         t = time.perf_counter()
         w = Worker(cfg, args, gpu_mem, log_dir)
         try:
-            results[cfg] = {**w.ready(args.timeout), "decode": {}, "prefill": {}, "times_s": {}}
+            results[cfg] = {**w.ready(args.timeout), "decode": {}, "prefill": {}, "rollout": {}, "times_s": {}}
             workers[cfg] = w
             print(f"[{cfg}] ready in {time.perf_counter() - t:.0f} s: {results[cfg]['served_class']}, "
                   f"graphs {results[cfg]['cudagraph_mode']}, async scheduling {results[cfg]['async_scheduling']}", flush=True)
@@ -169,8 +182,9 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
         for wl in _workloads(args):
             key, kind, size = _names(wl)
             r[kind][size] = _tok_s(wl, statistics.median(r["times_s"][key]))
-        extras = [("profile", args.profile, _workloads(args)), ("anatomy", args.step_anatomy, _workloads(args)[:-1]),
-                  ("host_profile", args.host_profile, _workloads(args)[:-1])]
+        decodes = [w for w in _workloads(args) if w["op"] == "decode"]
+        extras = [("profile", args.profile, _workloads(args)), ("anatomy", args.step_anatomy, decodes),
+                  ("host_profile", args.host_profile, decodes)]
         for op, on, wls in extras:
             for wl in wls if on else []:
                 key = _names(wl)[0]
@@ -188,7 +202,8 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
 def _table(results: dict[str, dict[str, Any]]) -> str:
     lines = []
     cfgs = [c for c in CONFIGS if c in results and "error" not in results[c]]
-    keys = [("decode", k) for k in next(iter(results[c] for c in cfgs))["decode"]] + [("prefill", k) for k in next(iter(results[c] for c in cfgs))["prefill"]] if cfgs else []
+    first = results[cfgs[0]] if cfgs else {}
+    keys = [(kind, k) for kind in ("decode", "prefill", "rollout") for k in first.get(kind, {})]
     head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
     ratios = [(a, b) for a, b in (("titan", "native_graphs"), ("titan_bi", "titan"), ("titan_bi", "native_graphs"),
                                   ("titan", "titan_eager"), ("titan", "native"), ("titan", "titan_vattn"),
@@ -198,7 +213,7 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     head += "".join(f"{a + '/' + b:>22}" for a, b in ratios)
     lines.append(head)
     for kind, k in keys:
-        row = f"{kind + ' ' + (('B=' + k) if kind == 'decode' else k):<22}"
+        row = f"{kind + ' ' + (('B=' + k) if kind == 'decode' else k):<22}"[:22]
         row += "".join(f"{results[c][kind][k]:>20.1f}" for c in cfgs)
         row += "".join(f"{results[a][kind][k] / results[b][kind][k]:>22.3f}" for a, b in ratios)
         lines.append(row)
@@ -231,7 +246,9 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
            "gdn_recurrent": {c: results[c]["gdn_recurrent"] for c in results if "gdn_recurrent" in results[c]},
            "prefill_attention": {c: results[c]["prefill_attention"] for c in results if "prefill_attention" in results[c]},
            "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}
-                      for c in results if c not in need and "error" not in results[c]}}
+                      for c in results if c not in need and "error" not in results[c]},
+           # generated tokens/s of the rollout workload (mixed prefill + decode steps), where it ran
+           "rollout": {c: results[c]["rollout"] for c in results if results[c].get("rollout")}}
     with open(path, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
@@ -246,6 +263,8 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prefill", default="16x2048", help="prefill workload: N prompts x L tokens")
+    ap.add_argument("--rollout", default="", help="rollout workload NxLxT (e.g. 1024x256x128): N prompts of L tokens, "
+                    "answers of [T/4, 2T) tokens, continuously batched (mixed steps); off when empty")
     ap.add_argument("--prompt-vocab", type=int, default=500, help="prompt token ids are drawn below this")
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
     ap.add_argument("--gpu-mem", type=float, default=0.0,

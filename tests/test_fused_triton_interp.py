@@ -440,8 +440,20 @@ def _check_conv_cache_slots() -> None:
             want = cache[slots].clone()
             wide_cache = before[:, 1:W].double()
             y2, c2 = cv.causal_conv1d(x, w, cu, None, wide_cache, "silu", state_slots=slots, state_keep=keep)
+            # a bias that alone wants a gradient takes the differentiable path, not the in-place kernel
+            bias = torch.randn(C, generator=g).to(dtype).requires_grad_(True)
+            pages.copy_(before)
+            with torch.enable_grad():
+                yb, _ = cv.causal_conv1d(x, w, cu, bias, cache, "silu", state_slots=slots, state_keep=keep)
+                yb.float().square().sum().backward()
         finally:
             cv._on_kernel = forced
+        assert bias.grad is not None and bias.grad.shape == (C,)
+        ref_b = bias.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            yr, _ = cv.causal_conv1d_torch(x, w, cu, ref_b, st, "silu")
+            yr.float().square().sum().backward()
+        _close(bias.grad, ref_b.grad)
         y_k, _ = causal_conv1d_triton(x, w, cu, None, st)
         assert c2 is wide_cache and torch.equal(y1, y_k) and torch.equal(y2, y_k)
         assert torch.equal(c2[slots].to(dtype), want)

@@ -239,7 +239,7 @@ def _slotted(
                          f"{None if cache is None else tuple(cache.shape)}")
     if slots.shape != (N,) or (keep is not None and keep.shape != (N,)):
         raise ValueError(f"state_slots and state_keep must be [N={N}]")
-    grad = torch.is_grad_enabled() and (x_TC.requires_grad or weight_CW.requires_grad or cache.requires_grad)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_TC, weight_CW, bias_C, cache))
     if k is not None and not grad and k.slotted_conv_state_ok(cache, x_TC, W):
         return k.causal_conv1d_triton(x_TC, weight_CW, cu_seqlens, bias_C, cache, activation,
                                       state_slots=slots, state_keep=keep, split=split)

@@ -238,6 +238,66 @@ def _check_cached_state_rule_kernel() -> None:
     assert o3.shape == o1.shape
 
 
+def _check_mixed_step_peels_decodes() -> None:
+    """A non-BI mixed step (decodes first, then prefills), as vLLM's GDN backend lays it out: the engine's rule
+    kernel runs the decodes on the project's kernel in place and only the prefills through the chunk form on
+    their gathered states -- the same outputs and final states, to the two forms' fp32 agreement, as the
+    one-call path that gathers every slot; slots outside the step untouched; the prefills' chunk indices reach
+    the chunk kernel only where they describe its call. The dispatch is forced as on CUDA (decode-sized calls
+    on the project's kernel)."""
+    import torch
+
+    from titan_rl_ext.kernels import batch_invariant as bi
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.qwen3_5 import gdn as layer
+
+    class Spy(layer.GatedDeltaRuleKernel):
+        def forward(self, *args, chunk_indices=None, **kw):  # type: ignore[no-untyped-def]
+            self.seen.append((args[0].shape[0], chunk_indices))
+            return super().forward(*args, chunk_indices=chunk_indices, **kw)
+
+    lens = [1, 1, 1, 9, 5]
+    nd = 3
+    q, k, v, g, beta, _, cu = _inputs(lens, torch.bfloat16, seed=11)
+    seq = SeqBatch(cu_seqlens=cu, positions=torch.arange(sum(lens)), max_seqlen=9)
+    cache0 = torch.randn(8, HV, K, V) * 0.1
+    slots = torch.tensor([6, 2, 0, 5, 3])
+    keep = torch.tensor([True, True, True, True, False])
+    chunk_idx = torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)  # the prefills' chunks, as vLLM's builder makes
+    base = Spy("chunk")
+    base.seen = []
+    kern = layer.CachedStateRuleKernel(base)
+    forced = layer.runs_titan_recurrent
+    layer.runs_titan_recurrent = lambda q, n, mode, needs_grad: q.shape[0] <= 2 * n  # as on CUDA, non-BI
+    try:
+        cache = cache0.clone()
+        kern.bind(slots, keep, n_decodes=nd, chunk_indices=chunk_idx)
+        assert kern._peels_decodes(q, v, cache) and kern.qk_dtype(q, v, len(lens), cache) == torch.float32
+        with bi.batch_invariant(True):
+            assert not kern._peels_decodes(q, v, cache)  # BI: the whole step on the recurrent kernel
+        o, s = kern(q, k, v, g, beta, seq, K**-0.5, cache)
+        kern.unbind()
+        assert s is cache and base.seen == [(14, chunk_idx)], base.seen
+        others = [i for i in range(8) if i not in slots.tolist()]
+        assert torch.equal(cache[others], cache0[others])
+        # one call over the whole step: every slot gathered, N states back; the prefills' indices withheld
+        base.seen.clear()
+        ref_cache = cache0.clone()
+        kern.bind(slots, keep, n_decodes=nd, chunk_indices=chunk_idx)
+        layer.runs_titan_recurrent = lambda *a: False  # no project kernel: nothing to peel onto
+        try:
+            assert not kern._peels_decodes(q, v, ref_cache)
+            o_ref, s_ref = kern(q, k, v, g, beta, seq, K**-0.5, ref_cache)
+        finally:
+            kern.unbind()
+        assert base.seen == [(17, None)] and torch.equal(ref_cache, cache0) and s_ref.shape == (5, HV, K, V)
+    finally:
+        layer.runs_titan_recurrent = forced
+    # fp32 states through two forms of one recurrence (a step of the recurrent kernel vs the chunked WY form)
+    torch.testing.assert_close(cache[slots], s_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)  # bf16 outputs
+
+
 def _check_fused_prep() -> None:
     import torch
 
@@ -422,7 +482,7 @@ def _check_dispatch_and_errors() -> None:
 
 def _main() -> None:
     run_checks((_check_values, _check_splits_and_decode, _check_batch_invariance_and_views, _check_state_slots,
-                _check_cached_state_rule_kernel, _check_fused_prep, _check_layer_prep_in_kernel,
+                _check_cached_state_rule_kernel, _check_mixed_step_peels_decodes, _check_fused_prep, _check_layer_prep_in_kernel,
                 _check_layer_on_engine_caches, _check_dispatch_and_errors))
 
 

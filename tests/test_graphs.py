@@ -267,3 +267,38 @@ def test_gdn_step_bounds_made_once_per_forward() -> None:
     assert second is not first
     assert second.seq.cu_seqlens.tolist() == [0, 5, 7] and second.slots.tolist() == [7, 1]
     assert second.keep.tolist() == [True, False] and second.seq.positions.shape[0] == 7
+
+
+def test_gdn_step_bounds_carry_the_prefill_layout() -> None:
+    """A step with prefills: the bounds carry how many one-token decodes lead it and vLLM's FLA chunk indices for
+    its prefills (host values of the metadata, for the rule kernel to peel the decodes as vLLM's layer does);
+    decode-only steps, decodes of several tokens and another backend's chunk layout carry none."""
+    import torch
+
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from vllm_titan_plugin.gdn_layer import _step_bounds
+
+    chunks = torch.tensor([[0, 0], [0, 1], [1, 0]], dtype=torch.int32)
+
+    def bounds(**md_fields: object):  # type: ignore[no-untyped-def]
+        md = SimpleNamespace(non_spec_state_indices_tensor=torch.tensor([3, 8, 5, 6], dtype=torch.int32),
+                             non_spec_query_start_loc=torch.tensor([0, 1, 2, 70, 75], dtype=torch.int32),
+                             has_initial_state=torch.tensor([True, True, False, True]), chunk_indices=chunks,
+                             num_decodes=2, num_decode_tokens=2, num_prefills=2)
+        for key, value in md_fields.items():
+            setattr(md, key, value)
+        batch = SeqBatch(cu_seqlens=torch.tensor([0, 75], dtype=torch.int32), positions=torch.arange(75),
+                         max_seqlen=75)
+        return _step_bounds(md, batch, 75, torch.device("cpu"))
+
+    mixed = bounds()
+    assert mixed.n_decodes == 2 and mixed.chunk_indices is chunks and mixed.seq.cu_seqlens.tolist() == [0, 1, 2, 70, 75]
+    prefill_only = bounds(num_decodes=0, num_decode_tokens=0)
+    assert prefill_only.n_decodes == 0 and prefill_only.chunk_indices is chunks
+    assert bounds(num_decode_tokens=3).n_decodes == 0 and bounds(num_decode_tokens=3).chunk_indices is None
+    other_layout = bounds(chunk_indices=torch.zeros(3, dtype=torch.int32))
+    assert other_layout.n_decodes == 2 and other_layout.chunk_indices is None
+    assert bounds(chunk_indices=None).chunk_indices is None
+    decode_only = bounds(num_prefills=0, num_decodes=4, num_decode_tokens=4,
+                         non_spec_query_start_loc=torch.arange(5, dtype=torch.int32))
+    assert decode_only.n_decodes == 0 and decode_only.chunk_indices is None

@@ -84,14 +84,15 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
             raise NotImplementedError("--model-impl titan does not support speculative decoding")
 
         T = md.num_actual_tokens  # x_TD may carry padding after the real tokens
-        _, seq, slots, keep = _step_bounds(md, batch, T, x_TD.device)
+        bounds = _step_bounds(md, batch, T, x_TD.device)
+        seq, slots, keep = bounds.seq, bounds.slots, bounds.keep
         conv_cache, ssm_cache = compat.mamba_state_tensors(self)
 
         # both caches go in whole: the sequence kernels read and write this step's slots (in place where their
         # kernels can); the rule kernel may instead return the N new ssm states, scattered here
         kernels = (self.layer.conv_kernel, self.layer.rule_kernel)
-        for kernel in kernels:
-            kernel.bind(slots, keep)
+        self.layer.conv_kernel.bind(slots, keep)
+        self.layer.rule_kernel.bind(slots, keep, n_decodes=bounds.n_decodes, chunk_indices=bounds.chunk_indices)
         try:
             y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv_cache, ssm_cache))
         finally:
@@ -112,6 +113,8 @@ class _StepBounds(NamedTuple):
     seq: SeqBatch
     slots: torch.Tensor
     keep: torch.Tensor | None
+    n_decodes: int = 0  # a mixed step's leading one-token decodes (0: decode-only, prefill-only or unknown)
+    chunk_indices: torch.Tensor | None = None  # vLLM's FLA chunk layout of the step's prefills
 
 
 _BOUNDS_ATTR = "_titan_gdn_bounds"
@@ -138,6 +141,7 @@ def _step_bounds(md: Any, batch: SeqBatch, T: int, device: torch.device) -> _Ste
         cu_seqlens = md.non_spec_query_start_loc
     n_seqs = cu_seqlens.numel() - 1
     has_initial = md.has_initial_state  # None: every request continues (decode-only step)
+    n_decodes, chunk_indices = _prefill_layout(md)
     bounds = _StepBounds(
         step=batch,
         seq=SeqBatch(
@@ -148,9 +152,27 @@ def _step_bounds(md: Any, batch: SeqBatch, T: int, device: torch.device) -> _Ste
         slots=md.non_spec_state_indices_tensor[:n_seqs].long(),
         # a recycled slot holds another request's (or uninitialised) state: the kernels start it from zeros
         keep=None if has_initial is None else has_initial[:n_seqs].to(torch.bool),
+        n_decodes=n_decodes,
+        chunk_indices=chunk_indices,
     )
     try:
         setattr(md, _BOUNDS_ATTR, bounds)
     except (AttributeError, TypeError):  # a metadata class with __slots__ or frozen: compute per layer
         pass
     return bounds
+
+
+def _prefill_layout(md: Any) -> tuple[int, torch.Tensor | None]:
+    """A step with prefills: how many one-token decodes lead it (vLLM's GDN backend orders decodes first) and
+    the FLA chunk indices vLLM's metadata builder made on the host for its prefills -- for the prefills after
+    the decodes where there are decodes, as vLLM's own layer peels them (``CachedStateRuleKernel``). Host
+    values of the metadata: no sync. ``(0, None)`` at decode-only steps and where the metadata lacks them."""
+    if not getattr(md, "num_prefills", 0):
+        return 0, None
+    nd = int(getattr(md, "num_decodes", 0) or 0)
+    if nd and int(getattr(md, "num_decode_tokens", -1)) != nd:
+        return 0, None  # decodes of several tokens: not this layout
+    ci = getattr(md, "chunk_indices", None)
+    if not (isinstance(ci, torch.Tensor) and ci.dim() == 2 and ci.shape[1] == 2):
+        ci = None  # another backend's layout (or none): FLA derives its own
+    return nd, ci

@@ -126,3 +126,48 @@ def test_state_cache_in_place_equals_gather_scatter() -> None:
     o_ref, s_ref = rec(q, k, v, g, beta, cu, K**-0.5, h0)
     o, s = rec(q, k, v, g, beta, cu, K**-0.5, cache, state_slots=slots, state_keep=keep)
     assert s is cache and torch.equal(o, o_ref) and torch.equal(cache[slots], s_ref)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core (the non-BI chunk kernel)")
+def test_mixed_step_peeled_decodes_match_one_chunk_call() -> None:
+    """A non-BI mixed step as vLLM lays it out (64 one-token decodes, then prefills of 300 and 77 tokens): the
+    engine's rule kernel peels the decodes onto the project's kernel in place and runs FLA's chunk kernel on the
+    prefills alone, with chunk indices made on the host as vLLM's builder makes them; against one FLA chunk call
+    over the whole step on gathered states: outputs within two bf16 ulps and final states to 2e-3 (FLA's chunk form
+    keeps its intra-chunk terms in bf16 where the recurrent kernel stays in fp32: the error level
+    ``test_values_against_float64_as_close_as_fla`` measures), other slots untouched. q/k are bf16 values, so
+    both paths read the same inputs (the decodes' kernel takes them in fp32, FLA in bf16)."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.qwen3_5 import gdn as layer
+
+    nd, lens = 64, [1] * 64 + [300, 77]
+    q, k, v, g, beta, _, cu = _inputs(lens, seed=5)
+    q, k = q.bfloat16().float(), k.bfloat16().float()
+    seq = SeqBatch(cu_seqlens=cu, positions=torch.arange(cu[-1].item(), device="cuda"), max_seqlen=300)
+    cache0 = torch.randn(100, HV, K, V, device="cuda") * 0.1
+    slots = torch.randperm(100, device="cuda")[: len(lens)]
+    keep = torch.ones(len(lens), dtype=torch.bool, device="cuda")
+    keep[-1] = False  # a new request in a recycled slot
+    chunks = prepare_chunk_indices((cu[nd:] - nd).cpu(), 64).to(device="cuda", dtype=torch.int32)
+    kern = layer.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
+    cache = cache0.clone()
+    kern.bind(slots, keep, n_decodes=nd, chunk_indices=chunks)
+    try:
+        assert kern._peels_decodes(q, v, cache)
+        o, s = kern(q, k, v, g, beta, seq, K**-0.5, cache)
+    finally:
+        kern.unbind()
+    ref_cache = cache0.clone()
+    kern.bind(slots, keep)
+    try:
+        o_ref, s_ref = kern(q, k, v, g, beta, seq, K**-0.5, ref_cache)
+    finally:
+        kern.unbind()
+    assert s is cache and torch.equal(ref_cache, cache0)
+    others = torch.ones(100, dtype=torch.bool, device="cuda")
+    others[slots] = False
+    assert torch.equal(cache[others], cache0[others])
+    torch.testing.assert_close(cache[slots], s_ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-8, atol=4e-3)

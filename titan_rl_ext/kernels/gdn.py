@@ -186,6 +186,7 @@ def _fla_gated_delta_rule(
     cu_seqlens: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -215,7 +216,12 @@ def _fla_gated_delta_rule(
     recurrent = mode == "recurrent" or (q.shape[0] <= 2 * N and not needs_grad)  # recurrent has no backward
     if needs_grad and not recurrent:
         allow_fla_chunk_backward()
-    fn = fused_recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+    if recurrent:
+        fn = fused_recurrent_gated_delta_rule
+    else:
+        fn = chunk_gated_delta_rule
+        if chunk_indices is not None:  # else fla derives them from cu_seqlens on the host: a sync per call
+            args["chunk_indices"] = chunk_indices
     o, final = fn(**args)
     return o.squeeze(0), final
 
@@ -321,10 +327,15 @@ def gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     mode: GDNMode = "chunk",
     backend: Literal["auto", "torch", "fla", "titan"] = "auto",
+    chunk_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: FLA's Triton kernels on CUDA when installed, the torch implementations otherwise; recurrent
     forwards on CUDA take the project's kernel when ``recurrent_kernel()`` says ``titan`` (FLA not needed).
-    ``backend="titan"`` asks for that kernel (recurrent, forward only) wherever triton runs."""
+    ``backend="titan"`` asks for that kernel (recurrent, forward only) wherever triton runs.
+
+    ``chunk_indices [NT, 2]``: (sequence, chunk within it) of every 64-token chunk of ``cu_seqlens``, in FLA's
+    layout, where the caller has them (an engine's metadata builds them on the host ahead of the step): FLA's
+    chunk kernel then skips deriving them, which reads ``cu_seqlens`` back to the host. Ignored elsewhere."""
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
@@ -334,7 +345,7 @@ def gated_delta_rule(
         return _titan_recurrent(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     if backend == "fla":
         _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
-        return _fla_gated_delta_rule(mode, q, k, v, g, beta, cu_seqlens, scale, initial_state)
+        return _fla_gated_delta_rule(mode, q, k, v, g, beta, cu_seqlens, scale, initial_state, chunk_indices)
     fn = chunk_gated_delta_rule_torch if mode == "chunk" else recurrent_gated_delta_rule_torch
     return fn(q, k, v, g, beta, cu_seqlens, scale, initial_state)
 

@@ -129,14 +129,16 @@ class GatedDeltaRuleKernel(nn.Module):
         batch: SeqBatch,
         scale: float,
         state: torch.Tensor | None,
+        chunk_indices: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``chunk_indices``: see ``kernels.gdn.gated_delta_rule`` (an engine's precomputed chunk layout)."""
         if bi.is_batch_invariant():
             return gated_delta_rule_bi(
                 q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, initial_state=state, backend=self.backend
             )
         return gated_delta_rule(
             q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale,
-            initial_state=state, mode=self.mode, backend=self.backend,
+            initial_state=state, mode=self.mode, backend=self.backend, chunk_indices=chunk_indices,
         )
 
     def qk_dtype(self, q_THK: torch.Tensor, v_THV: torch.Tensor, n_seqs: int, state: torch.Tensor | None) -> torch.dtype:
@@ -164,6 +166,38 @@ class CachedStateRuleKernel(_SlotBound):
 
     base: GatedDeltaRuleKernel
 
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__(base)
+        self._n_decodes = 0
+        self._chunk_indices: torch.Tensor | None = None
+
+    def bind(
+        self, slots: torch.Tensor, keep: torch.Tensor | None, *, n_decodes: int = 0,
+        chunk_indices: torch.Tensor | None = None,
+    ) -> None:
+        """As ``_SlotBound.bind``, plus what an engine knows of the step's layout on the host: ``n_decodes``, how
+        many leading sequences are one-token decodes followed by prefills (0: no such split), and the FLA chunk
+        indices of the prefill sequences (of all of them where ``n_decodes`` is 0)."""
+        super().bind(slots, keep)
+        self._n_decodes, self._chunk_indices = n_decodes, chunk_indices
+
+    def unbind(self) -> None:
+        super().unbind()
+        self._n_decodes, self._chunk_indices = 0, None
+
+    def _peels_decodes(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
+        """Whether a mixed step (decodes first, then prefills) runs as two calls, as vLLM's own GDN layer does:
+        the decodes on the project's recurrent kernel in place on the cache, the prefills on the chunk kernel
+        with only their own states gathered and scattered. One chunk call over the whole step would gather and
+        scatter every running sequence's state (2 MB each at the 9B's heads) and pad each decode token to a
+        64-token chunk. Non-BI only: BI runs the recurrent kernel on the whole step anyway."""
+        nd = self._n_decodes
+        if nd <= 0 or self._slots is None or state is None or bi.is_batch_invariant() or self.base.mode != "chunk":
+            return False
+        if nd >= self._slots.shape[0] or self._in_place(q_THK, v_THV, state, "chunk"):
+            return False  # nothing to peel, or the whole call already runs in place
+        return self._in_place(q_THK[:nd], v_THV[:nd], state, "chunk", n_seqs=nd)
+
     def prep_in_kernel(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
         """Whether this call should take raw q/k/a/b (``forward_raw``) and leave the l2norms and gates to the
         project's kernel, three launches fewer per layer: non-BI decode-sized calls that the kernel runs on a bound
@@ -173,13 +207,17 @@ class CachedStateRuleKernel(_SlotBound):
         return (self._slots is not None and not bi.is_batch_invariant() and q_THK.shape[0] <= 2 * self._slots.shape[0]
                 and self._in_place(q_THK, v_THV, state, self.base.mode))
 
-    def _in_place(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None, mode: GDNMode) -> bool:
-        """Whether the project's kernel runs this call on the bound cache, reading and writing the slots in place
-        (else the slots are gathered for ``base`` and the engine scatters the result)."""
+    def _in_place(
+        self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None, mode: GDNMode,
+        n_seqs: int | None = None,
+    ) -> bool:
+        """Whether the project's kernel runs this call (of ``n_seqs`` sequences; default all bound) on the bound
+        cache, reading and writing the slots in place (else the slots are gathered for ``base`` and the engine
+        scatters the result)."""
         slots = self._slots
         if slots is None or state is None or self.base.backend != "auto":
             return False
-        if not runs_titan_recurrent(q_THK, slots.shape[0], mode, False):
+        if not runs_titan_recurrent(q_THK, slots.shape[0] if n_seqs is None else n_seqs, mode, False):
             return False
         from titan_rl_ext.kernels.gdn_triton import slotted_state_ok
 
@@ -190,6 +228,8 @@ class CachedStateRuleKernel(_SlotBound):
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
         if self._slots is not None and state is not None and self._in_place(q_THK, v_THV, state, mode):
             return torch.float32
+        if self._peels_decodes(q_THK, v_THV, state):
+            return torch.float32  # the decodes' kernel reads fp32 as in a decode-only step; FLA casts its part
         return self.base.qk_dtype(q_THK, v_THV, n_seqs, state)
 
     def forward_raw(
@@ -234,11 +274,40 @@ class CachedStateRuleKernel(_SlotBound):
 
             return gated_delta_rule_recurrent(q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, state,
                                               state_slots=slots, state_keep=keep)
+        if self._peels_decodes(q_THK, v_THV, state):
+            return self._decodes_then_prefills(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
+        # the bound chunk indices cover the prefills alone where decodes lead the step: not this whole call then
+        return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, self._gather(state, slots, keep),
+                         chunk_indices=self._chunk_indices if self._n_decodes == 0 else None)
+
+    @staticmethod
+    def _gather(state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         ssm0 = state.index_select(0, slots.long()).float()
         if keep is not None:
             # a recycled slot holds another request's (or uninitialised) state: where, not multiply
             ssm0 = torch.where(keep[:, None, None, None], ssm0, torch.zeros_like(ssm0))
-        return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, ssm0)
+        return ssm0
+
+    def _decodes_then_prefills(
+        self, q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+        beta_TH: torch.Tensor, batch: SeqBatch, scale: float, state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``_peels_decodes``. The decodes are sequences ``[0, nd)``, one token each, so tokens ``[0, nd)``;
+        returns the cache, every sequence's final state written to its slot."""
+        from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
+
+        nd, slots, keep = self._n_decodes, self._slots, self._keep
+        assert slots is not None
+        cu = batch.cu_seqlens
+        o_dec, _ = gated_delta_rule_recurrent(
+            q_THK[:nd], k_THK[:nd], v_THV[:nd], g_TH[:nd], beta_TH[:nd], cu[: nd + 1], scale, state,
+            state_slots=slots[:nd], state_keep=None if keep is None else keep[:nd])
+        p_slots, p_keep = slots[nd:], None if keep is None else keep[nd:]
+        prefills = SeqBatch(cu_seqlens=cu[nd:] - nd, positions=batch.positions[nd:], max_seqlen=batch.max_seqlen)
+        o_pre, final = self.base(q_THK[nd:], k_THK[nd:], v_THV[nd:], g_TH[nd:], beta_TH[nd:], prefills, scale,
+                                 self._gather(state, p_slots, p_keep), chunk_indices=self._chunk_indices)
+        state.index_copy_(0, p_slots.long(), final.to(state.dtype))
+        return torch.cat([o_dec, o_pre.to(o_dec.dtype)]), state
 
 
 class GatedDeltaNet(nn.Module):

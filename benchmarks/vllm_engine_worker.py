@@ -124,6 +124,8 @@ class Engine:
             os.environ["TITAN_GDN_RECURRENT"] = "titan" if cfg.endswith("_rec") else "fla"
         if cfg == "titan_vattn":  # vLLM's attention kernel on prefill steps too (the shipped default: the project's)
             os.environ["TITAN_PREFILL_ATTENTION"] = "vllm"
+        if cfg == "titan_peel":  # every mixed step's decodes peeled (the shipped default: short steps run whole)
+            os.environ["TITAN_GDN_MIXED_STEPS"] = "peel"
         if args.scopes:  # vLLM's record_function scopes (for "anatomy"): read once, at the first scope
             os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         import torch
@@ -155,6 +157,7 @@ class Engine:
 
             self.info["gdn_recurrent"] = recurrent_kernel()
             self.info["prefill_attention"] = os.environ.get("TITAN_PREFILL_ATTENTION", "titan")
+            self.info["gdn_mixed_steps"] = os.environ.get("TITAN_GDN_MIXED_STEPS", "recurrent")
         self._warm: set[str] = set()
 
     def _workload(self, cmd: dict[str, Any]) -> tuple[str, list[Any], list[Any]]:

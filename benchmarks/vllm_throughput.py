@@ -14,6 +14,9 @@ Configurations (each engine in its own process, ``vllm_engine_worker.py``):
 - ``titan_eager`` / ``titan_bi_eager``  ``--model-impl titan`` with ``enforce_eager=True``
 - ``titan_vattn``   ``titan`` with vLLM's attention kernel on prefill steps too (``TITAN_PREFILL_ATTENTION=vllm``;
   as shipped, steps with a prefill run the project's kernel where vLLM's backend is TRITON_ATTN)
+- ``titan_peel``    ``titan`` with every mixed step's GDN decodes peeled off, its prefills on FLA's chunk kernel
+  (``TITAN_GDN_MIXED_STEPS=peel``; as shipped, a step of two tokens a sequence or fewer runs the recurrent kernel
+  whole): what the rollout workload's mixed steps cost either way
 - ``titan_rec`` / ``titan_bi_rec``  ``titan`` / ``titan_bi`` with the project's recurrent GDN kernel
   (``TITAN_GDN_RECURRENT=titan``), ``titan_fla`` / ``titan_bi_fla`` with FLA's (``fla``); the other titan
   configurations run the kernel the driver's environment names (unset: the shipped default), recorded as
@@ -52,8 +55,8 @@ from typing import Any
 
 from vllm_engine_worker import rollout_lengths
 
-CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_vattn", "titan_rec",
-           "titan_bi_rec", "titan_fla", "titan_bi_fla")
+CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_vattn", "titan_peel",
+           "titan_rec", "titan_bi_rec", "titan_fla", "titan_bi_fla")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
 
 
@@ -206,7 +209,7 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     keys = [(kind, k) for kind in ("decode", "prefill", "rollout") for k in first.get(kind, {})]
     head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
     ratios = [(a, b) for a, b in (("titan", "native_graphs"), ("titan_bi", "titan"), ("titan_bi", "native_graphs"),
-                                  ("titan", "titan_eager"), ("titan", "native"), ("titan", "titan_vattn"),
+                                  ("titan", "titan_eager"), ("titan", "native"), ("titan", "titan_vattn"), ("titan_peel", "titan"), ("titan_peel", "native_graphs"),
                                   ("titan_rec", "titan"),
                                   ("titan_bi_rec", "titan_bi"), ("titan_bi_rec", "titan"),
                                   ("titan", "titan_fla"), ("titan_bi", "titan_bi_fla")) if a in cfgs and b in cfgs]
@@ -245,6 +248,7 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
            "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
            "gdn_recurrent": {c: results[c]["gdn_recurrent"] for c in results if "gdn_recurrent" in results[c]},
            "prefill_attention": {c: results[c]["prefill_attention"] for c in results if "prefill_attention" in results[c]},
+           "gdn_mixed_steps": {c: results[c]["gdn_mixed_steps"] for c in results if "gdn_mixed_steps" in results[c]},
            "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}
                       for c in results if c not in need and "error" not in results[c]},
            # generated tokens/s of the rollout workload (mixed prefill + decode steps), where it ran

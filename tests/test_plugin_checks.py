@@ -37,6 +37,12 @@ def test_gdn_recurrent_kernel_problem_names_the_variable(monkeypatch: pytest.Mon
     monkeypatch.setenv("TITAN_GDN_RECURRENT", "triton")
     msg = checks.gdn_recurrent_kernel_problem()
     assert msg is not None and "TITAN_GDN_RECURRENT='triton'" in msg and "fla, titan" in msg
+    monkeypatch.setenv("TITAN_GDN_RECURRENT", "titan")
+    monkeypatch.setenv("TITAN_GDN_MIXED_STEPS", "peel")
+    assert checks.gdn_recurrent_kernel_problem() is None
+    monkeypatch.setenv("TITAN_GDN_MIXED_STEPS", "split")
+    msg = checks.gdn_recurrent_kernel_problem()
+    assert msg is not None and "TITAN_GDN_MIXED_STEPS='split'" in msg and "recurrent, peel" in msg
 
 
 def test_prefill_attention_problem_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:

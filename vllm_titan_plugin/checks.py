@@ -28,12 +28,13 @@ def batch_invariance_problem(vllm_config: Any) -> str | None:
 
 
 def gdn_recurrent_kernel_problem() -> str | None:
-    """``TITAN_GDN_RECURRENT`` names the kernel of every recurrent GDN forward; a typo would otherwise raise
-    inside the first GDN forward of the first request."""
-    from titan_rl_ext.kernels.gdn import recurrent_kernel
+    """``TITAN_GDN_RECURRENT`` names the kernel of every recurrent GDN forward, ``TITAN_GDN_MIXED_STEPS`` how
+    mixed steps run it; a typo would otherwise raise inside the first GDN forward of the first request."""
+    from titan_rl_ext.kernels.gdn import mixed_steps, recurrent_kernel
 
     try:
         recurrent_kernel()
+        mixed_steps()
     except ValueError as e:
         return f"--model-impl titan: {e}"
     return None

@@ -14,7 +14,7 @@
 #   bash tests/gpu/run_vllm_e2e.sh graphs_moe  # the same on the 35B-A3B-shaped MoE checkpoint
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
 #   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI (and titan with
-#                                           # vLLM's prefill attention), all up at once, timed rep by rep -> serving.json
+#                                           # every mixed step peeled: titan_peel), all up at once, timed rep by rep -> serving.json
 #                                           # (BENCH_CONFIGS, BENCH_REPS; BENCH_ROLLOUT=NxLxT, default 1024x256x128, empty: none)
 #   bash tests/gpu/run_vllm_e2e.sh bench_eager  # titan eager beside titan (what the graphs buy)
 #   bash tests/gpu/run_vllm_e2e.sh bench_bi # titan with BI on vs off at a smaller prefill
@@ -113,7 +113,7 @@ fi
 if [[ $what == bench || $what == all ]]; then
     rollout=${BENCH_ROLLOUT-1024x256x128}  # BENCH_ROLLOUT= (empty): no rollout workload
     timeout 590 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
-        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi,titan_vattn} --decode-tokens 128 --reps ${BENCH_REPS:-5} \
+        --configs ${BENCH_CONFIGS:-native_graphs,titan,titan_bi,titan_peel} --decode-tokens 128 --reps ${BENCH_REPS:-5} \
         ${rollout:+--rollout $rollout} \
         --out "$out/throughput.json" --serving-json "$out/serving.json" --timeout 300 2>&1 | tee "$out/throughput.log" | tail -14
 fi

@@ -291,6 +291,23 @@ def recurrent_kernel() -> str:
     return name
 
 
+MIXED_STEPS_ENV = "TITAN_GDN_MIXED_STEPS"
+MIXED_STEPS_CHOICES = ("recurrent", "peel")
+
+
+def mixed_steps() -> str:
+    """How an engine's non-BI step of decodes and prefills runs its GDN rule (``TITAN_GDN_MIXED_STEPS``):
+    ``recurrent`` (default) -- a step of two tokens a sequence or fewer on the project's recurrent kernel whole
+    (the prefills' tokens one by one, the decodes with the l2norm and gates fused in), a longer one with its
+    decodes peeled off onto that kernel and its prefills on FLA's chunk kernel; ``peel`` -- every such step
+    peeled, as vLLM's own GDN layer does. Which is faster depends on the prefills' lengths: the serial kernel
+    walks the longest one token by token, the chunk kernel costs a fixed handful of launches."""
+    name = os.environ.get(MIXED_STEPS_ENV, "recurrent")
+    if name not in MIXED_STEPS_CHOICES:
+        raise ValueError(f"{MIXED_STEPS_ENV}={name!r}: expected one of {', '.join(MIXED_STEPS_CHOICES)}")
+    return name
+
+
 def runs_titan_recurrent(q: torch.Tensor, n_seqs: int, mode: GDNMode, needs_grad: bool) -> bool:
     """The one rule for when ``gated_delta_rule`` (backend ``auto``) runs ``kernels.gdn_triton``: on CUDA, with
     ``recurrent_kernel()`` = ``titan``, for a recurrent forward -- asked for (BI mode), or chosen because the

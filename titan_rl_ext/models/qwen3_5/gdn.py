@@ -17,7 +17,7 @@ import torch.nn as nn
 from titan_rl_ext.kernels.conv import causal_conv1d
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.gdn import (
-    GDNMode, gated_delta_rule, gated_delta_rule_bi, resolve_backend, runs_titan_recurrent,
+    GDNMode, gated_delta_rule, gated_delta_rule_bi, mixed_steps, resolve_backend, runs_titan_recurrent,
 )
 from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.models.common.batch import SeqBatch
@@ -191,12 +191,16 @@ class CachedStateRuleKernel(_SlotBound):
         with only their own states gathered and scattered. One chunk call over the whole step would gather and
         scatter every running sequence's state (2 MB each at the 9B's heads) and pad each decode token to a
         64-token chunk. Non-BI only: BI runs the recurrent kernel on the whole step anyway."""
-        nd = self._n_decodes
-        if nd <= 0 or self._slots is None or state is None or bi.is_batch_invariant() or self.base.mode != "chunk":
+        if not self._mixed() or bi.is_batch_invariant() or self.base.mode != "chunk":
             return False
-        if nd >= self._slots.shape[0] or self._in_place(q_THK, v_THV, state, "chunk"):
-            return False  # nothing to peel, or the whole call already runs in place
+        if mixed_steps() == "recurrent" and self._in_place(q_THK, v_THV, state, "chunk"):
+            return False  # the whole call runs in place (``kernels.gdn.mixed_steps``)
+        nd = self._n_decodes
         return self._in_place(q_THK[:nd], v_THV[:nd], state, "chunk", n_seqs=nd)
+
+    def _mixed(self) -> bool:
+        """Whether the bound step is decodes followed by prefills."""
+        return self._slots is not None and 0 < self._n_decodes < self._slots.shape[0]
 
     def prep_in_kernel(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
         """Whether this call should take raw q/k/a/b (``forward_raw``) and leave the l2norms and gates to the
@@ -204,6 +208,8 @@ class CachedStateRuleKernel(_SlotBound):
         cache it updates in place. Never under BI: the kernel sums the l2norm in another order than the layer's
         own kernel does, and a BI step must give the trainer's bits. At prefill sizes the separate kernels are
         faster (``benchmarks/gdn_recurrent.py``: ``titan_prep`` vs ``titan_unfused``)."""
+        if self._mixed() and mixed_steps() == "peel":
+            return False  # the step is peeled (``_peels_decodes``): its rule gets normed q/k
         return (self._slots is not None and not bi.is_batch_invariant() and q_THK.shape[0] <= 2 * self._slots.shape[0]
                 and self._in_place(q_THK, v_THV, state, self.base.mode))
 

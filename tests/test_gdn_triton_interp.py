@@ -297,16 +297,20 @@ def _check_mixed_step_peels_decodes() -> None:
     torch.testing.assert_close(cache[slots], s_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)  # bf16 outputs
 
-    # a short mixed step (two tokens a sequence or fewer): whole on the recurrent kernel, prep fused in, unless
-    # TITAN_GDN_MIXED_STEPS=peel; a bad value is refused by name
+    # a short mixed step (two tokens a sequence or fewer): whole on the recurrent kernel, the l2norms and gates
+    # apart (a prefill's serial chain), unless TITAN_GDN_MIXED_STEPS=peel; the decodes alone, bound as a
+    # decode-only step, take them fused; a bad value is refused by name
     import os
 
     short = layer.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
     qs, vs = q[:5], v[:5]  # three decodes and a 2-token prefill
     layer.runs_titan_recurrent = lambda q, n, mode, needs_grad: q.shape[0] <= 2 * n
     try:
+        short.bind(slots[:3], keep[:3])
+        assert short.prep_in_kernel(qs[:3], vs[:3], cache)
         short.bind(slots[:4], keep[:4], n_decodes=3)
-        assert short.prep_in_kernel(qs, vs, cache) and not short._peels_decodes(qs, vs, cache)
+        assert not short.prep_in_kernel(qs, vs, cache) and not short._peels_decodes(qs, vs, cache)
+        assert short._in_place(qs, vs, cache, "chunk")  # the whole step in place, as BI runs it
         os.environ["TITAN_GDN_MIXED_STEPS"] = "peel"
         assert not short.prep_in_kernel(qs, vs, cache) and short._peels_decodes(qs, vs, cache)
         os.environ["TITAN_GDN_MIXED_STEPS"] = "chunky"

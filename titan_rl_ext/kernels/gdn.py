@@ -298,8 +298,8 @@ MIXED_STEPS_CHOICES = ("recurrent", "peel")
 def mixed_steps() -> str:
     """How an engine's non-BI step of decodes and prefills runs its GDN rule (``TITAN_GDN_MIXED_STEPS``):
     ``recurrent`` (default) -- a step of two tokens a sequence or fewer on the project's recurrent kernel whole
-    (the prefills' tokens one by one, the decodes with the l2norm and gates fused in), a longer one with its
-    decodes peeled off onto that kernel and its prefills on FLA's chunk kernel; ``peel`` -- every such step
+    (the prefills' tokens one by one, as BI runs every step), a longer one with its decodes peeled off onto that
+    kernel and its prefills on FLA's chunk kernel; ``peel`` -- every such step
     peeled, as vLLM's own GDN layer does. Which is faster depends on the prefills' lengths: the serial kernel
     walks the longest one token by token, the chunk kernel costs a fixed handful of launches."""
     name = os.environ.get(MIXED_STEPS_ENV, "recurrent")

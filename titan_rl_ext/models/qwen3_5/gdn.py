@@ -206,10 +206,13 @@ class CachedStateRuleKernel(_SlotBound):
         """Whether this call should take raw q/k/a/b (``forward_raw``) and leave the l2norms and gates to the
         project's kernel, three launches fewer per layer: non-BI decode-sized calls that the kernel runs on a bound
         cache it updates in place. Never under BI: the kernel sums the l2norm in another order than the layer's
-        own kernel does, and a BI step must give the trainer's bits. At prefill sizes the separate kernels are
-        faster (``benchmarks/gdn_recurrent.py``: ``titan_prep`` vs ``titan_unfused``)."""
-        if self._mixed() and mixed_steps() == "peel":
-            return False  # the step is peeled (``_peels_decodes``): its rule gets normed q/k
+        own kernel does, and a BI step must give the trainer's bits. Not where the engine bound a mixed step
+        (decodes, then prefills) either: a prefill's tokens run one after another in the kernel, and the fused
+        l2norms and gates lengthen that serial chain -- at prefill lengths the separate kernels are faster
+        (``benchmarks/gdn_recurrent.py``: ``titan_prep`` 10.40 vs ``titan_unfused`` 8.50 ms on an H100); such a
+        step runs as BI's does, or peeled (``_peels_decodes``), its rule given normed q/k either way."""
+        if self._mixed():
+            return False
         return (self._slots is not None and not bi.is_batch_invariant() and q_THK.shape[0] <= 2 * self._slots.shape[0]
                 and self._in_place(q_THK, v_THV, state, self.base.mode))
 

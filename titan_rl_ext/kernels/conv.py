@@ -205,7 +205,7 @@ def causal_conv1d(
         return (y[:, :split], y[:, split:]), final
     if state_slots is not None:
         return _slotted(x_TC, weight_CW, cu_seqlens, bias_C, initial_state, activation, state_slots, state_keep, k,
-                        split)
+                        grad, split)
     if state_keep is not None:
         raise ValueError("state_keep goes with state_slots")
     if split is not None:  # the kernel, no gradient
@@ -230,16 +230,16 @@ def causal_conv1d(
 def _slotted(
     x_TC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor, bias_C: torch.Tensor | None,
     cache: torch.Tensor | None, activation: str | None, slots: torch.Tensor, keep: torch.Tensor | None, k: Any,
-    split: int | None = None,
+    grad: bool, split: int | None = None,
 ) -> tuple[Any, torch.Tensor]:
-    """``causal_conv1d`` on an engine's conv cache by slot (see there)."""
+    """``causal_conv1d`` on an engine's conv cache by slot (see there); ``grad``: whether any input (the cache
+    included) wants a gradient, as ``causal_conv1d`` found."""
     W, N = weight_CW.shape[1], cu_seqlens.numel() - 1
     if cache is None or cache.dim() != 3 or tuple(cache.shape[1:]) != (W - 1, x_TC.shape[1]):
         raise ValueError(f"state_slots need initial_state as a conv cache [S, {W - 1}, {x_TC.shape[1]}]; got "
                          f"{None if cache is None else tuple(cache.shape)}")
     if slots.shape != (N,) or (keep is not None and keep.shape != (N,)):
         raise ValueError(f"state_slots and state_keep must be [N={N}]")
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x_TC, weight_CW, bias_C, cache))
     if k is not None and not grad and k.slotted_conv_state_ok(cache, x_TC, W):
         return k.causal_conv1d_triton(x_TC, weight_CW, cu_seqlens, bias_C, cache, activation,
                                       state_slots=slots, state_keep=keep, split=split)

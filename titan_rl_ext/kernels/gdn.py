@@ -299,9 +299,9 @@ def mixed_steps() -> str:
     """How an engine's non-BI step of decodes and prefills runs its GDN rule (``TITAN_GDN_MIXED_STEPS``):
     ``recurrent`` (default) -- a step of two tokens a sequence or fewer on the project's recurrent kernel whole
     (the prefills' tokens one by one, as BI runs every step), a longer one with its decodes peeled off onto that
-    kernel and its prefills on FLA's chunk kernel; ``peel`` -- every such step
-    peeled, as vLLM's own GDN layer does. Which is faster depends on the prefills' lengths: the serial kernel
-    walks the longest one token by token, the chunk kernel costs a fixed handful of launches."""
+    kernel and its prefills on FLA's chunk kernel; ``peel`` -- every such step peeled, as vLLM's own GDN layer
+    does. Which is faster depends on the prefills' lengths: the serial kernel walks the longest one token by
+    token, the chunk kernel costs a fixed handful of launches."""
     name = os.environ.get(MIXED_STEPS_ENV, "recurrent")
     if name not in MIXED_STEPS_CHOICES:
         raise ValueError(f"{MIXED_STEPS_ENV}={name!r}: expected one of {', '.join(MIXED_STEPS_CHOICES)}")

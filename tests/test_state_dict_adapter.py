@@ -11,10 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from titan_rl_ext.models.architectures import ARCHITECTURES, UnsupportedArchitectureError
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError
 from titan_rl_ext.models.hf import (
-    SUPPORTED_ARCHITECTURES,
-    UnsupportedArchitectureError,
     adapter_for,
     config_from_hf,
     load_hf_model,
@@ -172,4 +171,23 @@ def test_unsupported_architecture_lists_supported(tiny_ckpt, tmp_path: Path) -> 
     with pytest.raises(UnsupportedArchitectureError) as e:
         load_hf_model(d)
     assert "LlamaForCausalLM" in str(e.value)
-    assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+    assert all(a in str(e.value) for a in ARCHITECTURES)
+
+
+def test_architecture_table_resolves_every_family_and_names_the_known_ones(tmp_path: Path) -> None:
+    from titan_rl_ext.configs.rl import model_spec_from_hf
+    from titan_rl_ext.models.architectures import FAMILIES, family_named
+    from titan_rl_ext.models.common.state_dict_adapter import HFStateDictAdapter
+
+    for arch in ARCHITECTURES.values():
+        assert FAMILIES[arch.family.name] is arch.family
+        assert issubclass(arch.family.adapter_class(), HFStateDictAdapter)
+        assert arch.layout in arch.family.adapter_class().text_prefixes
+        assert callable(arch.family.config_class().from_hf)
+        assert all(name.startswith(arch.family.name) for name in arch.family.flavor_configs())
+    with pytest.raises(ValueError, match="unknown model family 'llama'; titan has: qwen3, qwen3_5"):
+        family_named("llama")
+    # a recipe built from a checkpoint of an architecture outside the table fails, naming the table's
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen3_5ForConditionalGeneration"):
+        model_spec_from_hf(str(tmp_path))

@@ -384,6 +384,19 @@ def test_unsupported_architecture_fails_at_startup_naming_supported(llama_ckpt: 
     assert all(a in msg for a in SUPPORTED), msg
 
 
+def test_serving_class_follows_the_architecture_table() -> None:
+    from titan_rl_ext.models.architectures import ARCHITECTURES
+    from vllm_titan_plugin.register import supported_architectures, titan_model_class
+
+    assert set(supported_architectures()) == set(ARCHITECTURES) == set(SUPPORTED)
+    for name, arch in ARCHITECTURES.items():
+        cls, served = titan_model_class(name)
+        assert served == name
+        assert cls.__name__ == ("TitanHybridForCausalLM" if arch.family.recurrent_state else "TitanForCausalLM")
+    with pytest.raises(ValueError, match="supported: Qwen3ForCausalLM"):
+        titan_model_class("LlamaForCausalLM")
+
+
 def test_routing_only_with_model_impl_titan(tiny_ckpt, llama_ckpt: Path) -> None:
     from vllm.config import ModelConfig
     from vllm.engine.arg_utils import EngineArgs

@@ -20,7 +20,8 @@ from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, Decoder
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError
-from titan_rl_ext.models.hf import adapter_for, architecture_of, config_from_hf
+from titan_rl_ext.models.architectures import architecture_of
+from titan_rl_ext.models.hf import adapter_for, config_from_hf
 from vllm_titan_plugin import checks, compat
 from vllm_titan_plugin.attention import VllmAttentionKernel
 from vllm_titan_plugin.gdn_layer import INNER, VllmGatedDeltaNet, gdn_state_dtypes, gdn_state_shapes
@@ -38,7 +39,7 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
         mc = vllm_config.model_config
         self._check_supported(vllm_config)
         self.hf_config: dict[str, Any] = mc.hf_config.to_dict()
-        self.architecture = architecture_of(self.hf_config)
+        self.architecture = architecture_of(self.hf_config).name
         cfg = config_from_hf(self.hf_config)
         self.adapter = adapter_for(self.hf_config, cfg)
         # M-RoPE checkpoints (Qwen3.5 VLM) make vLLM pass positions [num_dims, T]; text rows are equal.

@@ -23,16 +23,16 @@ _MARK = "__titan_routing__"
 
 
 def supported_architectures() -> tuple[str, ...]:
-    from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES
+    from titan_rl_ext.models.architectures import ARCHITECTURES
 
-    return tuple(SUPPORTED_ARCHITECTURES)
+    return tuple(ARCHITECTURES)
 
 
 def titan_model_class(architectures: str | list[str], model_config: Any = None) -> tuple[type, str]:
     """(titan vLLM model class, the checkpoint's architecture name); raises for anything unsupported.
     A checkpoint whose HF config names a ``titan_model_spec`` (``--hf-overrides``) is served with that
     torchtitan definition (``upstream_model``); the spec is checked here, at start-up."""
-    from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES
+    from titan_rl_ext.models.architectures import ARCHITECTURES
 
     archs = [architectures] if isinstance(architectures, str) else list(architectures)
     from vllm_titan_plugin.upstream_model import spec_of
@@ -45,16 +45,16 @@ def titan_model_class(architectures: str | list[str], model_config: Any = None) 
             raise ValueError(f"titan_model_spec={spec!r} needs a checkpoint with one architecture, got {archs}")
         check_architecture(spec_name(spec), archs[0])
         return TorchtitanForCausalLM, archs[0]
-    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ValueError(
             f"--model-impl {TITAN_MODEL_IMPL} does not support architecture(s) {archs or '(none given)'}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
-    arch = archs[0]
+    arch = ARCHITECTURES[archs[0]]
     from vllm_titan_plugin.model import TitanForCausalLM, TitanHybridForCausalLM
 
-    family, _ = SUPPORTED_ARCHITECTURES[arch]
-    return (TitanHybridForCausalLM if family == "qwen3_5" else TitanForCausalLM), arch
+    # a family with recurrent layers needs vLLM to allocate their state: only the hybrid class declares it
+    return (TitanHybridForCausalLM if arch.family.recurrent_state else TitanForCausalLM), arch.name
 
 
 def _wants_titan(model_config: Any) -> bool:

@@ -36,16 +36,13 @@ def tiny_rl_checkpoint(tool_tokens: bool = False) -> str:
 
 def model_spec_from_hf(model_dir: str) -> Any:
     """A torchtitan ``ModelSpec`` whose architecture is read from an HF checkpoint's config.json."""
+    from titan_rl_ext.models.architectures import architecture_of
     from titan_rl_ext.models.common.titan_protocol import make_model_spec
-    from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES, architecture_of, config_from_hf, read_config
+    from titan_rl_ext.models.hf import config_from_hf, read_config
 
     hf = read_config(model_dir)
-    family = SUPPORTED_ARCHITECTURES[architecture_of(hf)][0]
-    if family == "qwen3":
-        from titan_rl_ext.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter as adapter
-    else:
-        from titan_rl_ext.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter as adapter
-    return make_model_spec(family, "hf:" + Path(model_dir).name, config_from_hf(hf), adapter)
+    family = architecture_of(hf).family  # an architecture outside the table fails here, naming the supported ones
+    return make_model_spec(family.name, "hf:" + Path(model_dir).name, config_from_hf(hf), family.adapter_class())
 
 
 def _rl_trainer(model_spec: Any, hf_dir: str, rl: Any, *, steps: int, lr: float, warmup: int,

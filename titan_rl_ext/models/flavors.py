@@ -1,9 +1,10 @@
-"""Every named flavor, ``FLAVORS[name].build()`` -> model. Imports torch only."""
+"""Every named flavor of every family in ``models.architectures``, ``FLAVORS[name].build()`` -> model.
+Imports torch only."""
 
 from __future__ import annotations
 
+from titan_rl_ext.models.architectures import FAMILIES
 from titan_rl_ext.models.common.decoder import DecoderConfig
-from titan_rl_ext.models.qwen3.flavors import qwen3_flavors
-from titan_rl_ext.models.qwen3_5.flavors import qwen3_5_flavors
 
-FLAVORS: dict[str, DecoderConfig] = {**qwen3_flavors(), **qwen3_5_flavors()}
+FLAVORS: dict[str, DecoderConfig] = {name: cfg for family in FAMILIES.values()
+                                     for name, cfg in family.flavor_configs().items()}

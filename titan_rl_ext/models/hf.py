@@ -1,4 +1,4 @@
-"""HF checkpoint directories -> titan models: architecture dispatch, safetensors I/O."""
+"""HF checkpoint directories -> titan models: config, state-dict adapter (by the table in ``models.architectures``), safetensors I/O."""
 
 from __future__ import annotations
 
@@ -8,53 +8,18 @@ from typing import Any
 
 import torch
 
+from titan_rl_ext.models.architectures import architecture_of
 from titan_rl_ext.models.common.decoder import Decoder, DecoderConfig
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError, HFStateDictAdapter
 
-# architecture -> (family, key layout of its checkpoints)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "Qwen3ForCausalLM": ("qwen3", "text"),
-    "Qwen3MoeForCausalLM": ("qwen3", "text"),
-    "Qwen3_5ForCausalLM": ("qwen3_5", "text"),
-    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "vlm"),
-    "Qwen3_5MoeForCausalLM": ("qwen3_5", "text"),
-    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "vlm"),
-}
-
-
-class UnsupportedArchitectureError(ValueError):
-    pass
-
-
-def architecture_of(hf_config: dict[str, Any]) -> str:
-    archs = hf_config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"unsupported architecture {archs or '(none given)'}; titan supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return archs[0]
-
 
 def config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
-    family, _ = SUPPORTED_ARCHITECTURES[architecture_of(hf_config)]
-    if family == "qwen3":
-        from titan_rl_ext.models.qwen3.model import Qwen3Config
-
-        return Qwen3Config.from_hf(hf_config)
-    from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config
-
-    return Qwen3_5Config.from_hf(hf_config)
+    return architecture_of(hf_config).family.config_class().from_hf(hf_config)
 
 
 def adapter_for(hf_config: dict[str, Any], cfg: DecoderConfig) -> HFStateDictAdapter:
-    family, layout = SUPPORTED_ARCHITECTURES[architecture_of(hf_config)]
-    if family == "qwen3":
-        from titan_rl_ext.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-
-        return Qwen3StateDictAdapter(cfg)
-    from titan_rl_ext.models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
-
-    return Qwen3_5StateDictAdapter(cfg, layout=layout)  # type: ignore[arg-type]
+    arch = architecture_of(hf_config)
+    return arch.family.adapter_class()(cfg, layout=arch.layout)
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from titan_rl_ext.models.common.batch import SeqBatch
-from titan_rl_ext.models.hf import architecture_of, load_hf_model, read_config
+from titan_rl_ext.models.architectures import architecture_of
+from titan_rl_ext.models.hf import load_hf_model, read_config
 
 DEFAULT_LENGTHS = (1, 5, 17, 64, 100)
 
@@ -26,8 +27,7 @@ DEFAULT_LENGTHS = (1, 5, 17, 64, 100)
 def load_transformers_model(model_dir: str | Path) -> torch.nn.Module:
     import transformers
 
-    arch = architecture_of(read_config(model_dir))
-    cls = getattr(transformers, arch)
+    cls = getattr(transformers, architecture_of(read_config(model_dir)).name)
     return cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
 
 

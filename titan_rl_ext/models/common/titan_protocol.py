@@ -156,11 +156,11 @@ def adapter_class(base: type[HFStateDictAdapter]) -> type[StateDictAdapter]:
                 import json
                 from pathlib import Path
 
-                from titan_rl_ext.models.hf import SUPPORTED_ARCHITECTURES, architecture_of
+                from titan_rl_ext.models.architectures import architecture_of
 
                 cfg_file = Path(hf_assets_path) / "config.json"
                 if cfg_file.exists():
-                    layout = SUPPORTED_ARCHITECTURES[architecture_of(json.loads(cfg_file.read_text()))][1]
+                    layout = architecture_of(json.loads(cfg_file.read_text())).layout
             self.inner = base(model_config.arch, layout=layout)  # type: ignore[arg-type]
 
         def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -186,3 +186,14 @@ def make_model_spec(
         state_dict_adapter=adapter_class(adapter),
         **spec_kwargs,
     )
+
+
+def flavor_model_spec(family_name: str, flavor: str) -> ModelSpec:
+    """torchtitan ``ModelSpec`` of one of a model family's named flavors (``models.architectures``)."""
+    from titan_rl_ext.models.architectures import family_named
+
+    family = family_named(family_name)
+    flavors = family.flavor_configs()
+    if flavor not in flavors:
+        raise ValueError(f"unknown {family.name} flavor {flavor!r}; choose from {sorted(flavors)}")
+    return make_model_spec(family.name, flavor, flavors[flavor], family.adapter_class())

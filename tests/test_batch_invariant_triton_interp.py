@@ -1,6 +1,5 @@
 """The CUDA batch-invariant Triton kernels (``titan_rl_ext.kernels.batch_invariant_triton``: GEMM, row
-reductions; ``titan_rl_ext.kernels.attention_triton``: flash-attention forward over packed and paged keys),
-run on CPU under the Triton interpreter and checked against float64 and the torch references.
+reductions), run on CPU under the Triton interpreter and checked against float64 and the torch references.
 
 ``TRITON_INTERPRET=1`` must be set before a kernel is defined, and must not leak into other tests, so
 the checks run in a subprocess (this file executed as a script). Skipped where triton is missing.
@@ -224,68 +223,8 @@ def _check_gemm_configs() -> None:
     assert torch.equal(tri.bi_matmul(xf, w.t(), config=cfg), tri.bi_matmul(xf, w.float().t()))
 
 
-def _check_attention() -> None:
-    """The BI flash-attention forward: packed = alone = paged chunk = decode step, bit for bit; close to
-    float64 and to the plain-PyTorch reference ``attention_bi``."""
-    import torch
-
-    from titan_rl_ext.kernels.attention import attention_bi, causal_attention_reference
-    from titan_rl_ext.kernels.attention_triton import bi_attention_fwd
-
-    g = torch.Generator().manual_seed(4)
-    i32 = torch.int32
-    for dtype, H in ((torch.bfloat16, 32), (torch.float32, 24)):
-        N, Kh, lens = 4, 2, [70, 5, 130, 1]
-        T, scale = sum(lens), H**-0.5
-        q, k, v = (torch.randn(T, n, H, generator=g).to(dtype) for n in (N, Kh, Kh))
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=i32)
-        sl = torch.tensor(lens, dtype=i32)
-        o = bi_attention_fwd(q, k, v, cu, sl, max(lens), scale, k_start=cu[:-1].clone())
-        assert o.dtype == dtype and o.shape == q.shape
-        ref = causal_attention_reference(q, k, v, lens, scale)
-        # bf16: p is rounded to bf16 before p @ v and the output to bf16 (the interpreter truncates: one
-        # ulp, 2^-7 relative); fp32: fp32 exp/sums over <= 130 keys
-        tol = 2.0**-6 if dtype == torch.bfloat16 else 1e-5
-        assert (o.double() - ref).abs().max() <= tol * ref.abs().max(), (dtype, (o.double() - ref).abs().max())
-        torch_ref = torch.cat([attention_bi(q[s:e], k[s:e], v[s:e], 0, scale) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
-        assert (o.double() - torch_ref.double()).abs().max() <= 2 * tol * ref.abs().max()
-        # each sequence alone, at row 0 of its own launch
-        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-            alone = bi_attention_fwd(q[s:e], k[s:e], v[s:e], torch.tensor([0, e - s], dtype=i32), sl[i : i + 1], e - s,
-                                     scale, k_start=torch.zeros(1, dtype=i32))
-            assert torch.equal(alone, o[s:e]), (dtype, i)
-        # a paged cache (block size 16, blocks scattered), queried by one chunk per sequence: the last
-        # 20 / 1 / 64 / 1 tokens (prefill chunk, decode, chunk crossing tiles, one-token sequence)
-        bs, nb = 16, 40
-        kc = torch.full((nb, bs, Kh, H), float("nan"), dtype=dtype)  # never-written slots must not be read
-        vc = torch.full((nb, bs, Kh, H), float("nan"), dtype=dtype)
-        order = torch.randperm(nb, generator=g)
-        bt = torch.zeros(len(lens), 16, dtype=i32)
-        used = 0
-        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-            nblk = -(-(e - s) // bs)
-            bt[i, :nblk] = order[used : used + nblk]
-            used += nblk
-            for j in range(e - s):
-                kc[bt[i, j // bs], j % bs] = k[s + j]
-                vc[bt[i, j // bs], j % bs] = v[s + j]
-        take = [20, 1, 64, 1]
-        qs = torch.cat([q[e - n : e] for n, e in zip(take, cu[1:].tolist())])
-        cuq = torch.tensor([0, *torch.tensor(take).cumsum(0).tolist()], dtype=i32)
-        paged = bi_attention_fwd(qs, kc, vc, cuq, sl, max(take), scale, block_table=bt)
-        assert torch.equal(paged, torch.cat([o[e - n : e] for n, e in zip(take, cu[1:].tolist())])), dtype
-    # bad input is refused with a named reason
-    for kwargs, msg in (({}, "exactly one"), ({"k_start": cu[:-1], "block_table": bt}, "exactly one")):
-        try:
-            bi_attention_fwd(q, k, v, cu, sl, max(lens), scale, **kwargs)
-        except ValueError as e:
-            assert msg in str(e)
-        else:
-            raise AssertionError("accepted bad arguments")
-
-
 def _main() -> None:
-    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_gemm_configs, _check_attention))
+    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_gemm_configs))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,21 @@ def test_kv_cache_dtype_problem_names_the_setting() -> None:
     assert msg is not None and "--kv-cache-dtype" in msg and "'fp8'" in msg and "float32" in msg
 
 
+def test_attention_group_problem_on_cuda_only() -> None:
+    pytest.importorskip("triton")
+
+    def cfg(device: str, heads: int, kv: int, head_dim: int) -> SimpleNamespace:
+        hf = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, hidden_size=heads * head_dim)
+        return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"), device_config=SimpleNamespace(device_type=device),
+                               model_config=SimpleNamespace(dtype=torch.bfloat16, hf_text_config=hf))
+
+    assert checks.batch_invariance_problem(cfg("cuda", 16, 4, 256)) is None  # Qwen3.5-9B
+    msg = checks.batch_invariance_problem(cfg("cuda", 128, 1, 128))
+    assert msg is not None and "at most 64 query heads per key/value head" in msg
+    assert "head sizes up to 256" in (checks.batch_invariance_problem(cfg("cuda", 8, 8, 512)) or "")
+    assert checks.batch_invariance_problem(cfg("cpu", 128, 1, 512)) is None  # the CPU path takes any shape
+
+
 def test_gdn_recurrent_kernel_problem_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TITAN_GDN_RECURRENT", raising=False)
     assert checks.gdn_recurrent_kernel_problem() is None

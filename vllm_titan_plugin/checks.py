@@ -23,8 +23,27 @@ def kv_cache_dtype_problem(vllm_config: Any) -> str | None:
             f"{cache_dtype!r}: serve with --kv-cache-dtype auto, or without TITAN_BATCH_INVARIANT")
 
 
+def attention_group_problem(vllm_config: Any) -> str | None:
+    """On CUDA, batch-invariant attention runs the project's Triton kernel, whose query tile holds whole GQA
+    groups and whose tile table covers head sizes up to 256: refuse other shapes before the first request."""
+    if str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")) != "cuda":
+        return None  # the CPU path (plain PyTorch) serves any grouping and head size
+    hf = getattr(vllm_config.model_config, "hf_text_config", None)
+    n_heads = getattr(hf, "num_attention_heads", None)
+    if n_heads is None:
+        return None
+    n_kv = getattr(hf, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    try:
+        from titan_rl_ext.kernels.attention_triton import group_problem
+    except ImportError:  # no triton: no CUDA kernel to refuse
+        return None
+    problem = group_problem(n_heads, n_kv, head_dim)
+    return None if problem is None else f"--model-impl titan with batch invariance: {problem}"
+
+
 def batch_invariance_problem(vllm_config: Any) -> str | None:
-    return kv_cache_dtype_problem(vllm_config)
+    return kv_cache_dtype_problem(vllm_config) or attention_group_problem(vllm_config)
 
 
 def gdn_recurrent_kernel_problem() -> str | None:

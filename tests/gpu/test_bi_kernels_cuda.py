@@ -97,6 +97,32 @@ def test_bi_attention_packed_alone_paged_decode_bit_identical(N: int, Kh: int, H
             assert torch.equal(got, want), (bs, take)
 
 
+@pytest.mark.parametrize("dtype,N,Kh,H", [(torch.bfloat16, 16, 4, 256), (torch.float32, 32, 8, 128)])
+def test_bi_attention_split_kv_decode_equals_packed(dtype: torch.dtype, N: int, Kh: int, H: int) -> None:
+    """Decode queries at positions around the split boundaries, reduced by 1 (per-tile), 2, 7 or the launch's
+    own number of split programs, equal the trainer's packed launch bit for bit; fp32 (full-precision dots,
+    fp32 output) shows any difference of the fold that a bf16 output's rounding could hide; one sequence of
+    40 000 keys (79 splits) decoded at its end."""
+    from titan_rl_ext.kernels.attention_triton import SPLIT, bi_attention_fwd
+
+    lens = [2 * SPLIT + 76, SPLIT + 1, SPLIT, 40_000]
+    q, k, v, cu = _qkv(lens, N, Kh, H, seed=5)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = H**-0.5
+    o = bi_attention_fwd(q, k, v, cu, cu[1:] - cu[:-1], max(lens), scale, k_start=cu[:-1])
+    kc, vc, bt = _paged(k, v, lens, 544, seed=11)
+    starts = cu[:-1].tolist()
+    cuq = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
+    for pos in (SPLIT - 1, SPLIT, SPLIT + 1, 2 * SPLIT - 1, 2 * SPLIT, 2 * SPLIT + 75, 39_999):
+        d_lens = [min(pos + 1, n) for n in lens]
+        qs = torch.cat([q[s + n - 1 : s + n] for s, n in zip(starts, d_lens)])
+        want = torch.cat([o[s + n - 1 : s + n] for s, n in zip(starts, d_lens)])
+        sl = torch.tensor(d_lens, dtype=torch.int32, device=DEV)
+        for progs in (None, 1, 2, 7):
+            got = bi_attention_fwd(qs, kc, vc, cuq, sl, 1, scale, block_table=bt, split_programs_override=progs)
+            assert torch.equal(got, want), (dtype, pos, progs)
+
+
 def test_packed_attention_backward_and_flash_forward_against_float64() -> None:
     from titan_rl_ext.kernels.batch_invariant import batch_invariant
     from titan_rl_ext.kernels.varlen_attention import flash_usable, packed_causal_attention

@@ -8,7 +8,11 @@ prefill was chunked) or on how many keys exist beyond its causal horizon. So:
   order, each adding ``exp(s - max)`` sums and ``p @ v`` into running fp32 accumulators. Blocks past
   a query's horizon are fully masked and add exact zeros, so a decode step that sees fewer blocks
   gets the same bits as the prefill that saw more.
-The trainer (packed causal attention) and the engine (KV from its cache) both call this function.
+The trainer (packed causal attention) and the engine (KV from its cache) both call this function on CPU.
+
+``split_attention_reference`` is the plain-PyTorch form of the GPU kernel's definition
+(``attention_triton``): splits of a fixed number of keys anchored at position 0, an online softmax over
+each split's blocks, the splits' partials folded in ascending order.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from titan_rl_ext.kernels.batch_invariant import elementwise
 
 Q_TILE = 32
 KV_BLOCK = 64
+LOG2E = 1.4426950408889634
 
 
 def attention_bi(
@@ -91,3 +96,48 @@ def causal_attention_reference(
         outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1))
         s += n
     return torch.cat(outs) if outs else q_TNH.new_zeros(0, *q_TNH.shape[1:], dtype=dtype)
+
+
+def split_attention_reference(
+    q_TNH: torch.Tensor, k_SKH: torch.Tensor, v_SKH: torch.Tensor, q_start: int, scale: float, *, split: int,
+    block_n: int,
+) -> torch.Tensor:
+    """The split-KV definition of ``attention_triton`` in plain PyTorch, for queries at positions ``q_start ..
+    q_start+T-1`` of one sequence over its keys ``0 .. S-1``: per split of ``split`` keys (anchored at 0) an
+    online softmax over blocks of ``block_n`` keys from a fresh state, then the partials folded in ascending
+    split order. Dots in float64 rounded to fp32 (as the kernel under the Triton interpreter), the rest in
+    fp32, ``p`` rounded to the value dtype before ``p @ v``. Returns ``[T, N, Hv]`` in q's dtype."""
+    T, N, _ = q_TNH.shape
+    S, Kh, Hv = v_SKH.shape
+    if split % block_n:
+        raise ValueError(f"a split ({split}) must be a whole number of blocks ({block_n})")
+    rep = N // Kh
+    q = q_TNH.double()
+    k = k_SKH.double().repeat_interleave(rep, dim=1)  # [S, N, H]
+    v = v_SKH.repeat_interleave(rep, dim=1)  # [S, N, Hv]
+    pos = q_start + torch.arange(T)
+    neg = float("-inf")
+    M, L = torch.full((T, N), neg), torch.zeros(T, N)
+    A = torch.zeros(T, N, Hv)
+    for lo in range(0, q_start + T, split):
+        m, l_sum = torch.full((T, N), neg), torch.zeros(T, N)
+        a = torch.zeros(T, N, Hv)
+        for b in range(lo, min(lo + split, q_start + T), block_n):
+            e = min(b + block_n, S)
+            s = torch.einsum("tnh,jnh->tnj", q, k[b:e]).float() * (scale * LOG2E)
+            s = s.masked_fill(~(torch.arange(b, e)[None, :] <= pos[:, None])[:, None, :], neg)
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
+            p = torch.exp2(s - torch.where(m_new == neg, 0.0, m_new)[..., None])
+            l_sum = l_sum * alpha + p.sum(-1)
+            pv = torch.einsum("tnj,jnh->tnh", p.to(v.dtype).double(), v[b:e].double()).float()
+            a = a * alpha[..., None] + pv
+            m = m_new
+        M_new = torch.maximum(M, m)
+        alpha = torch.where(M_new == M, 1.0, torch.exp2(M - M_new))
+        beta = torch.where(M_new == m, 1.0, torch.exp2(m - M_new))
+        skip = m == neg
+        L = torch.where(skip, L, L * alpha + l_sum * beta)
+        A = torch.where(skip[..., None], A, A * alpha[..., None] + a * beta[..., None])
+        M = torch.where(skip, M, M_new)
+    return (A / L[..., None]).to(q_TNH.dtype)

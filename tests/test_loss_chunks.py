@@ -37,7 +37,7 @@ def test_chunked_pass_equals_one_pass(tiny_ckpt, aggregation: str) -> None:
     from titan_rl_ext.kernels import batch_invariant as bi
     from titan_rl_ext.models.hf import load_hf_model
     from titan_rl_ext.rl.advantages import group_advantages
-    from titan_rl_ext.rl.losses import DPPOLoss
+    from titan_rl_ext.rl.losses.dppo import DPPOLoss
     from titan_rl_ext.rl.samples import pack_samples
 
     model, _ = load_hf_model(tiny_ckpt("qwen3_5", layout="text"))

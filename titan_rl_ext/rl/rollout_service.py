@@ -4,13 +4,13 @@ the generator fleet, and the trainer's synchronous view of it (take a batch, pub
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import threading
 from typing import Any
 
 from titan_rl_ext.rl.config import RLConfig
-from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, env_factory, load_prompts
+from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger
+from titan_rl_ext.rl.tasks import task_named
 
 
 
@@ -31,7 +31,8 @@ class RolloutService:
         self.urls = list(fleet.members)
         self.model_name = model_name
         self.exited = exited
-        self.make_env, stop = env_factory(rl, tokenizer)
+        self.task = task_named(rl.task)
+        self.make_env, stop = self.task.env_factory(rl, tokenizer)
         extra: dict[str, Any] = {"ignore_eos": True} if rl.ignore_eos else {}
         if stop:  # a tool call's closing tag ends the turn
             extra["stop"] = list(stop)
@@ -41,31 +42,21 @@ class RolloutService:
         self.thread = threading.Thread(target=self.loop.run_forever, name="rl-rollouts", daemon=True)
         self.thread.start()
         self._call(self._connect())
-        # verifiers: the taskset's size is known once its runner is up
-        num_tasks = self.verifiers.num_tasks if self.verifiers is not None else None
-        self.ledger = PromptLedger(load_prompts(rl, tokenizer, start=cursor.next, num_tasks=num_tasks), cursor)
+        # after _connect: a task's own source may tell the stream its size (verifiers: the taskset's)
+        self.ledger = PromptLedger(self.task.prompts(rl, tokenizer, cursor.next, self.source), cursor)
         self._call(self._setup())
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _connect(self) -> None:
-        """The generator clients, and for ``task='verifiers'`` its runner with the shim in front of them."""
+        """The generator clients, and the task's own episode runner in front of them if it has one."""
         from titan_rl_ext.rl.fleet import FleetClient
         from titan_rl_ext.rl.generator_client import GeneratorClient
 
         self.client = FleetClient(self.fleet, {u: GeneratorClient(u, self.model_name) for u in self.urls},
                                   exited=self.exited)
-        self.verifiers: Any = None
-        if self.rl.task == "verifiers":
-            from titan_rl_ext.rl.envs.verifiers_source import VerifiersSource, default_python
-
-            rl = self.rl
-            self.verifiers = VerifiersSource(
-                self.client, taskset=rl.verifiers_taskset, harness=rl.verifiers_harness, model=self.model_name,
-                tokenizer_dir=rl.model_dir, renderer=rl.verifiers_renderer, python=rl.verifiers_python or default_python(),
-                taskset_args=json.loads(rl.verifiers_taskset_args or "{}"))
-            await self.verifiers.start()
+        self.source = await self.task.open_source(self.client, self.rl, self.model_name)
 
     async def _setup(self) -> None:
         from titan_rl_ext.rl.async_loop import OffPolicyWindow
@@ -87,8 +78,8 @@ class RolloutService:
                 # drawn right after admission (no await in between), so with offpolicy=0 a step's groups
                 # are exactly the next prompts_per_step prompts of the stream
                 index, prompt = self.ledger.draw()
-                if self.verifiers is not None:  # verifiers' harness runs the episodes; seeds are not passed through
-                    group = await self.verifiers.group(prompt, G, self.sampling, group_id=index)
+                if self.source is not None:  # the task's harness runs the episodes; seeds are not passed through
+                    group = await self.source.group(prompt, G, self.sampling, group_id=index)
                 else:
                     seeds = [sample_seed(self.rl.seed, index, j) for j in range(G)] if self.rl.seeded_sampling else None
                     group = await rollout_group(client, self.make_env, prompt, G, self.sampling, group_id=index,
@@ -155,11 +146,8 @@ class RolloutService:
             out = {"rollout/dropped_stale_total": w.dropped_stale_total, "rollout/buffered": w.buffered,
                     "rollout/in_flight": w.in_flight, "rollout/producer_wait_s_total": w.producer_wait_s,
                     "fleet/refused_samples_total": float(self.fleet.refused)}
-            if self.verifiers is not None:
-                vs = self.verifiers.stats
-                out.update({"verifiers/episodes_total": vs.episodes, "verifiers/failed_episodes_total": vs.failed_episodes,
-                            "verifiers/forked_traces_total": vs.forked_traces,
-                            "verifiers/refused_branches_total": vs.refused_branches})
+            if self.source is not None:
+                out.update(self.source.metrics())
             return out
 
         return self._call(get())
@@ -169,8 +157,8 @@ class RolloutService:
             for p in self.producers:
                 p.cancel()
             await asyncio.gather(*self.producers, return_exceptions=True)
-            if self.verifiers is not None:
-                await self.verifiers.close()
+            if self.source is not None:
+                await self.source.close()
             for c in self.client.clients.values():
                 await c.aclose()
 

@@ -62,18 +62,18 @@ import torch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from titan_rl_ext.rl.config import LOSSES, RLConfig, config_dict
+from titan_rl_ext.rl import cli
+from titan_rl_ext.rl.config import RLConfig
 from titan_rl_ext.rl.generator_link import GeneratorLink
-from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger, load_eval_items, load_prompts
 from titan_rl_ext.rl.phase_timer import PhaseTimer
+from titan_rl_ext.rl.prompts import PromptCursor
 from titan_rl_ext.rl.rollout_service import RolloutService
 from titan_rl_ext.rl.stale_gap import StaleGap
+from titan_rl_ext.rl.tasks import task_named
 
 logger = logging.getLogger(__name__)
 
-# RLConfig and the prompt stream live in rl.config / rl.prompts; importable from here as before
-__all__ = ["LOSSES", "RLConfig", "RLTrainer", "load_prompts", "PromptCursor", "PromptLedger", "RL_STATE_KEY",
-           "RL_PROMPTS_KEY"]
+cli.install()  # before torchtitan parses the command line: recipes import this module to build their config
 
 RL_STATE_KEY = "rl_version"
 RL_PROMPTS_KEY = "rl_prompt_cursor"
@@ -133,7 +133,9 @@ class RLTrainer(Trainer):
             raise ValueError("give rl.generator_urls or set rl.spawn_server")
         if rl.loss_chunk_tokens < 0:
             raise ValueError(f"rl.loss_chunk_tokens must be >= 0 (0: one pass), got {rl.loss_chunk_tokens}")
+        task = task_named(rl.task)  # an unknown name fails here, before any model is built
         super().__init__(config)
+        self.rl_task = task
         self.rl_version = 0
         self.prompt_cursor = PromptCursor()
         """The prompts the weights have been trained on (see ``PromptCursor``); checkpointed."""
@@ -236,7 +238,7 @@ class RLTrainer(Trainer):
                         len(self.prompt_cursor.done_ahead))
         self._service = RolloutService(rl, self._link.fleet, rl.served_model_name or rl.model_dir, tokenizer,
                                        self.rl_version, self.prompt_cursor, exited=self._link.exited)
-        self._eval_items = load_eval_items(rl, tokenizer) if rl.eval_every else []
+        self._eval_items = self.rl_task.eval_items(rl, tokenizer) if rl.eval_every else []
 
     def _connect_generators(self) -> dict[str, tuple[int, str | None]]:
         """Rank 0: reach the generators (waiting for a spawned one) and open the metrics log; returns the
@@ -245,7 +247,7 @@ class RLTrainer(Trainer):
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         served = self._link.connect(self._bi_at(self.step))  # the first rollouts' setting
-        self._mlog = MetricsLogger(self.run_dir, config={"rl": config_dict(self.config.rl)})
+        self._mlog = MetricsLogger(self.run_dir, config={"rl": self.config.rl.to_dict()})
         return served
 
     def _warm_kernels(self) -> None:

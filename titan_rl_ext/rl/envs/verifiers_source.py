@@ -231,6 +231,12 @@ class VerifiersSource:
                 fut.set_exception(RuntimeError(why))
         self._waiting.clear()
 
+    def metrics(self) -> dict[str, float]:
+        """Running totals, logged with the rollout metrics (``tasks.base.RolloutSource``)."""
+        st = self.stats
+        return {"verifiers/episodes_total": st.episodes, "verifiers/failed_episodes_total": st.failed_episodes,
+                "verifiers/forked_traces_total": st.forked_traces, "verifiers/refused_branches_total": st.refused_branches}
+
     async def close(self) -> None:
         if self._proc is not None:
             if self._proc.stdin is not None and not self._proc.stdin.is_closing():

@@ -1,8 +1,11 @@
-"""Token-level policy-gradient losses on flat packed tensors: GRPO, DAPO, DPPO (TV trust region).
+"""What every token-level policy-gradient loss on flat packed tensors shares: the driver (``PolicyLoss``:
+input checks, masking, mismatch correction, KL term, aggregation), the PPO clip surrogate, and torchtitan's
+``Configurable`` pattern. The losses themselves are the other modules of this package (``grpo``, ``dapo``,
+``dppo``), one each, registered by name.
 
 Every loss is a configurable component in torchtitan's style (a nested
 ``@dataclass(kw_only=True, slots=True) class Config`` whose ``build()`` returns the loss object),
-written against torch alone so that this module imports without torchtitan.
+written against torch alone so that this package imports without torchtitan.
 
 Inputs (all ``[T]``, the packed token stream of ``token_logprobs``; prompt and completion tokens of
 each sequence back to back):
@@ -22,9 +25,10 @@ or garbage there changes neither the loss nor the gradient (``x * 0`` would keep
 Notation below: ``r_t = exp(lp_new_t - lp_old_t)``, ``sg`` = stop-gradient (``.detach()``),
 ``M`` = the set of tokens with ``mask_T`` True.
 
-Per-token surrogates ``l_t`` (the loss is to be minimised):
+Per-token surrogates ``l_t`` (the loss is to be minimised; each loss's module gives its own), the shared one:
 
-* PPO clip (GRPO with ``eps_low = eps_high = eps``; DAPO with ``eps_low=0.2, eps_high=0.28``)::
+* PPO clip (``ppo_clip_token_loss``; GRPO with ``eps_low = eps_high = eps``; DAPO with ``eps_low=0.2,
+  eps_high=0.28``)::
 
       l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
 
@@ -34,17 +38,6 @@ Per-token surrogates ``l_t`` (the loss is to be minimised):
   grad(lp_new_t)`` at or inside it. Spelling the clipped set out (rather than relying on how
   ``torch.minimum`` splits ties and ``clamp`` treats its bounds) makes that boundary convention
   explicit, and the same set feeds the clip-fraction metrics.
-
-* DPPO-Binary-TV (Qi et al. 2026, "Rethinking the Trust Region in LLM RL", arXiv:2602.04879), with
-  ``dp_t = exp(lp_new_t) - exp(lp_old_t)`` (the sampled token's share of the total variation)::
-
-      blocked_t = (A_t > 0 and dp_t > delta) or (A_t < 0 and dp_t < -delta)
-      w_t       = sg(min(r_t, ratio_cap))                  (ratio_cap=None: w_t = sg(r_t))
-      l_t       = -A_t * w_t * (1 if blocked_t else exp(lp_new_t - sg(lp_new_t)))
-
-  i.e. value ``-A_t min(r_t, C)`` and gradient ``-A_t min(r_t, C) grad(lp_new_t)`` unless the
-  token already moved more than ``delta`` in probability in the direction its advantage pushes it
-  (then zero gradient). Moving back towards the old probability is never blocked.
 
 Train/inference mismatch correction (any loss, off by default; see ``MismatchCorrection``), with
 ``rho_t = exp(lp_old_t - lp_gen_t)``::
@@ -86,17 +79,16 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-__all__ = [
-    "Configurable",
-    "MismatchCorrection",
-    "PolicyLoss",
-    "GRPOLoss",
-    "DAPOLoss",
-    "DPPOLoss",
-]
+__all__ = ["Aggregation", "Configurable", "Metrics", "MismatchCorrection", "PolicyLoss", "config_to_dict", "masked_mean",
+           "ppo_clip_token_loss"]
 
 Metrics = dict[str, torch.Tensor]
 Aggregation = Literal["seq_mean", "token_mean"]
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A config dataclass as plain data (nested configs as dicts): what a run logs as its settings."""
+    return {f.name: (v.to_dict() if hasattr(v := getattr(config, f.name), "to_dict") else v) for f in fields(config)}
 
 
 class Configurable:
@@ -124,11 +116,7 @@ class Configurable:
             return owner(config=dataclasses.replace(self), **kwargs)
 
         def to_dict(self) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for f in fields(self):
-                v = getattr(self, f.name)
-                out[f.name] = v.to_dict() if hasattr(v, "to_dict") else v
-            return out
+            return config_to_dict(self)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -148,7 +136,7 @@ class Configurable:
 # helpers
 
 
-def _masked_mean(x_T: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
+def masked_mean(x_T: torch.Tensor, mask_T: torch.Tensor) -> torch.Tensor:
     # metrics only: zero when there are no loss tokens instead of NaN
     return (torch.where(mask_T, x_T, 0).sum() / mask_T.sum().clamp(min=1)).detach().float()
 
@@ -222,8 +210,8 @@ class MismatchCorrection(Configurable):
         dtype = torch.promote_types(lp_old_T.dtype, torch.float32)
         zeros_T = torch.zeros(mask_T.shape, dtype=dtype, device=mask_T.device)
         metrics: Metrics = {
-            "masked_frac": _masked_mean(zeros_T, mask_T),
-            "tis_weight_mean": _masked_mean(zeros_T + 1, mask_T),
+            "masked_frac": masked_mean(zeros_T, mask_T),
+            "tis_weight_mean": masked_mean(zeros_T + 1, mask_T),
         }
         if lp_gen_T is None:
             if self.enabled:
@@ -234,20 +222,20 @@ class MismatchCorrection(Configurable):
             rho_T = torch.exp(log_rho_T)
             # k3 estimate of KL(generator || trainer) on the sampled tokens: reported whenever the
             # generator's logprobs are given, so the gap is visible before turning a correction on
-            metrics["mismatch_kl"] = _masked_mean(rho_T - 1 - log_rho_T, mask_T)
+            metrics["mismatch_kl"] = masked_mean(rho_T - 1 - log_rho_T, mask_T)
             weight_T = zeros_T + 1
             if c.tis:
                 # min in log space: exp never overflows however far apart the two sides are
                 weight_T = torch.exp(log_rho_T.clamp(max=math.log(c.tis_cap)))
-                metrics["tis_weight_mean"] = _masked_mean(weight_T, mask_T)
-                metrics["tis_clip_frac"] = _masked_mean((rho_T > c.tis_cap).to(dtype), mask_T)
+                metrics["tis_weight_mean"] = masked_mean(weight_T, mask_T)
+                metrics["tis_clip_frac"] = masked_mean((rho_T > c.tis_cap).to(dtype), mask_T)
             drop_T = torch.zeros_like(mask_T)
             if c.mask_max_abs_log_ratio is not None:
                 drop_T |= log_rho_T.abs() > c.mask_max_abs_log_ratio
             if c.mask_ratio_cap is not None:
                 drop_T |= (rho_T > c.mask_ratio_cap) | (rho_T < 1.0 / c.mask_ratio_cap)
             keep_T = mask_T & ~drop_T
-            metrics["masked_frac"] = _masked_mean(drop_T.to(dtype), mask_T)
+            metrics["masked_frac"] = masked_mean(drop_T.to(dtype), mask_T)
         return weight_T, keep_T, metrics
 
 
@@ -326,15 +314,15 @@ class PolicyLoss(Configurable):
         if lp_ref_T is not None:
             d_T = _sanitize(lp_ref_T.detach(), mask_T, dtype) - lp_new_T
             kl_T = torch.exp(d_T) - d_T - 1  # k3 estimator of KL(pi_new || pi_ref), as in GRPO; >= 0
-            metrics["kl_ref"] = _masked_mean(kl_T.detach(), mask_T)
+            metrics["kl_ref"] = masked_mean(kl_T.detach(), mask_T)
             if cfg.kl_coef > 0:
                 # on every loss token, unweighted by the mismatch correction (it regularises pi_new)
                 loss_T = loss_T + cfg.kl_coef * torch.where(mask_T, kl_T, 0)
 
         with torch.no_grad():
-            metrics["ratio_mean"] = _masked_mean(torch.exp(lp_new_T - lp_old_T), mask_T)
+            metrics["ratio_mean"] = masked_mean(torch.exp(lp_new_T - lp_old_T), mask_T)
             log_r_T = lp_new_T - lp_old_T
-            metrics["approx_kl"] = _masked_mean(torch.exp(log_r_T) - 1 - log_r_T, mask_T)
+            metrics["approx_kl"] = masked_mean(torch.exp(log_r_T) - 1 - log_r_T, mask_T)
             metrics["num_tokens"] = mask_T.sum().detach().float()
 
         loss = self._aggregate(loss_T, mask_T, cu_seqlens, num_global_valid_tokens, num_global_seqs)
@@ -384,7 +372,7 @@ class PolicyLoss(Configurable):
         return seq_mean_N.sum() / n_seqs
 
 
-def _ppo_clip_token_loss(
+def ppo_clip_token_loss(
     lp_new_T: torch.Tensor, lp_old_T: torch.Tensor, adv_T: torch.Tensor, mask_T: torch.Tensor,
     eps_low: float, eps_high: float,
 ) -> tuple[torch.Tensor, Metrics]:
@@ -399,104 +387,7 @@ def _ppo_clip_token_loss(
     ratio_eff_T = torch.where(clip_hi_T | clip_lo_T, ratio_T.detach().clamp(lo, hi), ratio_T)
     pg_T = -adv_T * ratio_eff_T
     metrics = {
-        "clip_frac_low": _masked_mean(clip_lo_T.float(), mask_T),
-        "clip_frac_high": _masked_mean(clip_hi_T.float(), mask_T),
+        "clip_frac_low": masked_mean(clip_lo_T.float(), mask_T),
+        "clip_frac_high": masked_mean(clip_hi_T.float(), mask_T),
     }
     return pg_T, metrics
-
-
-class GRPOLoss(PolicyLoss):
-    """GRPO (Shao et al. 2024): PPO clipped surrogate, symmetric ``eps`` (0.2), per-sequence mean
-    then mean over sequences (``aggregation="seq_mean"``, needs ``cu_seqlens``), KL-free unless
-    ``kl_coef > 0``::
-
-        L = (1/N) sum_i (1/|M_i|) sum_{t in M_i} -min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)
-            [+ kl_coef * k3(pi_new, pi_ref) per token]
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(PolicyLoss.Config):
-        aggregation: Aggregation = "seq_mean"
-        eps: float = 0.2
-        """Clip range: r is clipped to [1 - eps, 1 + eps]."""
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        if not 0 <= config.eps < 1:
-            raise ValueError(f"eps must be in [0, 1), got {config.eps}")
-
-    def token_loss(self, lp_new_T, lp_old_T, adv_T, mask_T):  # type: ignore[override]
-        return _ppo_clip_token_loss(lp_new_T, lp_old_T, adv_T, mask_T, self.config.eps, self.config.eps)
-
-
-class DAPOLoss(PolicyLoss):
-    """DAPO (Yu et al. 2025): clip-higher (asymmetric ``eps_low=0.2``, ``eps_high=0.28``) and
-    token-level normalisation over the loss tokens of the *global* batch::
-
-        L_rank = sum_{t in M_rank} -min(r_t A_t, clip(r_t, 1-eps_low, 1+eps_high) A_t) / N_global
-
-    ``N_global`` = ``num_global_valid_tokens`` passed by the caller (all-reduced loss-token count of
-    the whole optimizer step); then ``sum over ranks of L_rank`` is the global token mean.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(PolicyLoss.Config):
-        aggregation: Aggregation = "token_mean"
-        eps_low: float = 0.2
-        eps_high: float = 0.28
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        if not 0 <= config.eps_low < 1 or config.eps_high < 0:
-            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {config.eps_low}, {config.eps_high}")
-
-    def token_loss(self, lp_new_T, lp_old_T, adv_T, mask_T):  # type: ignore[override]
-        return _ppo_clip_token_loss(lp_new_T, lp_old_T, adv_T, mask_T, self.config.eps_low, self.config.eps_high)
-
-
-class DPPOLoss(PolicyLoss):
-    """DPPO-Binary-TV (arXiv:2602.04879): a trust region on the sampled token's probability change
-    instead of its ratio. With ``dp_t = exp(lp_new_t) - exp(lp_old_t)``::
-
-        blocked_t = (A_t > 0 and dp_t > delta) or (A_t < 0 and dp_t < -delta)
-        l_t = -A_t * sg(min(r_t, ratio_cap)) * (1 if blocked_t else exp(lp_new_t - sg(lp_new_t)))
-
-    Value ``-A_t min(r_t, C)``; gradient ``-A_t min(r_t, C) grad(lp_new_t)`` for unblocked tokens,
-    zero for blocked ones (strict ``>``: a token exactly at ``delta`` still learns). ``ratio_cap``
-    (default 20, as in the authors' code; None = off) bounds the weight of a token whose probability
-    rose a lot from a tiny value, which the TV test alone allows for ``A < 0``.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(PolicyLoss.Config):
-        aggregation: Aggregation = "token_mean"
-        delta: float = 0.1
-        """TV threshold on |p_new - p_old| of the sampled token."""
-        ratio_cap: float | None = 20.0
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        if config.delta < 0:
-            raise ValueError(f"delta must be >= 0, got {config.delta}")
-        if config.ratio_cap is not None and config.ratio_cap <= 0:
-            raise ValueError(f"ratio_cap must be > 0, got {config.ratio_cap}")
-
-    def token_loss(self, lp_new_T, lp_old_T, adv_T, mask_T):  # type: ignore[override]
-        c = self.config
-        with torch.no_grad():
-            dp_T = torch.exp(lp_new_T) - torch.exp(lp_old_T)
-            block_hi_T = (adv_T > 0) & (dp_T > c.delta)
-            block_lo_T = (adv_T < 0) & (dp_T < -c.delta)
-            log_r_T = lp_new_T - lp_old_T
-            if c.ratio_cap is not None:
-                log_r_T = log_r_T.clamp(max=math.log(c.ratio_cap))
-            w_T = torch.exp(log_r_T)
-        # exp(lp - sg(lp)) is 1 in value with gradient grad(lp): value -A w, gradient -A w grad(lp)
-        unit_T = torch.exp(lp_new_T - lp_new_T.detach())
-        pg_T = -adv_T * w_T * torch.where(block_hi_T | block_lo_T, torch.ones_like(unit_T), unit_T)
-        metrics = {
-            "clip_frac_low": _masked_mean(block_lo_T.float(), mask_T),
-            "clip_frac_high": _masked_mean(block_hi_T.float(), mask_T),
-            "tv_mean": _masked_mean(dp_T.abs(), mask_T),
-        }
-        return pg_T, metrics

@@ -8,8 +8,14 @@ answers one JSON command per stdin line with one ``REPLY {json}`` line on stdout
 - ``{"op": "decode", "B": 32, "tokens": 64}``: one timed ``generate`` of B prompts of 32 tokens, ``tokens``
   new tokens each (the first call of a workload runs it once untimed: graphs, autotuning, allocator)
 - ``{"op": "prefill", "N": 16, "L": 2048}``: one timed ``generate`` of N prompts of L tokens, one new token each
+- ``{"op": "decode_ctx", "B": 8, "L": 32737, "tokens": 128}``: decode at long context: B prompts of L tokens
+  (L one past a whole number of cache blocks), ``tokens`` new tokens each. Needs ``--prefix-caching``: the
+  untimed first call prefills and caches the prompts, so the timed call recomputes one token per prompt and
+  then decodes. Replies with the prompt tokens found cached (a call that missed is re-run once it is cached)
+  and, where vLLM reports request timestamps, the decode window (last first token to last token)
 - ``{"op": "rollout", "N": 1024, "L": 256, "T": 128}``: one timed ``generate`` of N prompts of L tokens whose
-  lengths of answer are drawn from [T/4, 2T) (``rollout_lengths``): an RL rollout's shape. The engine holds at
+  lengths of answer are drawn from [T/4, 2T) (``rollout_lengths``; ``"lo"``/``"hi"``: from [lo, hi)): an RL
+  rollout's shape. The engine holds at
   most ``--max-num-seqs`` requests at once, so as short answers finish, waiting prompts are prefilled in the
   same steps as the running decodes -- mixed steps, which the decode and prefill workloads never take
 - ``{"op": "profile" | "anatomy" | "host_profile", ...workload}``: one profiled call of that workload (CUDA
@@ -40,13 +46,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common, 
 EAGER = ("native", "titan_eager", "titan_bi_eager")
 
 
-def rollout_lengths(n: int, t: int, key: str) -> list[int]:
-    """The answer length of each of a rollout workload's ``n`` requests, uniform in [t/4, 2t), seeded by the
-    workload's key: every configuration (and the driver, which counts the tokens) gets the same lengths."""
+def rollout_lengths(n: int, t: int, key: str, lo: int | None = None, hi: int | None = None) -> list[int]:
+    """The answer length of each of a rollout workload's ``n`` requests, uniform in [t/4, 2t) (or [lo, hi)),
+    seeded by the workload's key: every configuration (and the driver, which counts the tokens) gets the same
+    lengths."""
     import random
 
     rng = random.Random(zlib.crc32(key.encode()))
-    return [rng.randrange(max(t // 4, 1), 2 * t) for _ in range(n)]
+    lo, hi = (max(t // 4, 1), 2 * t) if lo is None else (lo, hi)
+    return [rng.randrange(lo, hi) for _ in range(n)]
 
 
 def _sync() -> None:
@@ -141,8 +149,9 @@ class Engine:
         extra = {"gdn_prefill_backend": "triton", "mm_encoder_attn_backend": "TORCH_SDPA"} if native else {}
         self.llm = LLM(model=model_dir, model_impl="auto" if native else "titan", dtype="bfloat16",
                        language_model_only=True, **extra, attention_backend=args.attention_backend,
-                       enforce_eager=cfg in EAGER, gpu_memory_utilization=args.gpu_mem, max_model_len=4096,
-                       max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, seed=0)
+                       enforce_eager=cfg in EAGER, gpu_memory_utilization=args.gpu_mem, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.prefix_caching, seed=0,
+                       disable_log_stats=False)
         served = self.llm.collective_rpc(lambda w: type(w.model_runner.get_model()).__name__)[0]
         if native == served.startswith("Titan"):
             raise RuntimeError(f"config {cfg} is served by {served}")
@@ -151,6 +160,9 @@ class Engine:
             "cudagraph_mode": self.llm.collective_rpc(lambda w: w.model_runner.cudagraph_dispatcher.cudagraph_mode.name)[0],
             "async_scheduling": self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "pid": os.getpid(),
+            "block_size": self.llm.llm_engine.vllm_config.cache_config.block_size,
+            "max_model_len": args.max_model_len, "prefix_caching": args.prefix_caching,
+            "layers": getattr(self.llm.llm_engine.vllm_config.model_config.hf_text_config, "num_hidden_layers", None),
         }
         if not native:
             from titan_rl_ext.kernels.gdn import recurrent_kernel
@@ -171,12 +183,18 @@ class Engine:
         elif kind == "prefill":
             key, n, length = f"prefill {cmd['N']}x{cmd['L']}", cmd["N"], cmd["L"]
             news = [1] * n
+        elif kind == "decode_ctx":
+            key, n, length = f"decode_ctx {cmd['B']}x{cmd['L']}", cmd["B"], cmd["L"]
+            news = [cmd["tokens"]] * n
         elif kind == "rollout":
-            key, n, length = f"rollout {cmd['N']}x{cmd['L']}x{cmd['T']}", cmd["N"], cmd["L"]
-            news = rollout_lengths(n, cmd["T"], key)
+            key, n, length = rollout_key(cmd), cmd["N"], cmd["L"]
+            news = rollout_lengths(n, cmd["T"], key, cmd.get("lo"), cmd.get("hi"))
         else:
             raise ValueError(f"unknown workload {kind!r}")
-        g = self.torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        # long-context prompts are seeded by their length alone: the B prompts of a smaller batch are the first
+        # of a larger one's, so a larger batch timed first leaves them cached
+        seed_key = f"decode_ctx {length}" if kind == "decode_ctx" else key
+        g = self.torch.Generator().manual_seed(zlib.crc32(seed_key.encode()))
         vocab = min(self.args.prompt_vocab, 500)
         ps = [TokensPrompt(prompt_token_ids=self.torch.randint(3, vocab, (length,), generator=g).tolist())
               for _ in range(n)]
@@ -189,18 +207,33 @@ class Engine:
         cmd = {**cmd, "op_workload": cmd.get("workload", op)}
         key, ps, sp = self._workload(cmd)
         call = lambda: self.llm.generate(ps, sp, use_tqdm=False)  # noqa: E731
-        if key not in self._warm:  # same shapes, untimed
-            call()
-            self._warm.add(key)
-        if op in ("decode", "prefill", "rollout"):
-            _sync()
+        cached = cmd["op_workload"] == "decode_ctx"  # the only workload that times a cached prompt
+        warm_s = None
+        if key not in self._warm:  # same shapes, untimed (for decode_ctx: the prefill that fills the cache)
             t = time.perf_counter()
-            outs = call()
-            _sync()
-            s = time.perf_counter() - t
+            call()
+            warm_s = time.perf_counter() - t
+            self._warm.add(key)
+        if op in ("decode", "prefill", "rollout", "decode_ctx"):
+            for attempt in range(2):
+                if not cached and self.args.prefix_caching:
+                    self.llm.reset_prefix_cache()  # a prefill is timed whole, never from an earlier rep's cache
+                _sync()
+                t = time.perf_counter()
+                outs = call()
+                _sync()
+                s = time.perf_counter() - t
+                hits = [o.num_cached_tokens or 0 for o in outs]
+                # an earlier workload evicted this one's prompts: the call just timed prefilled them again
+                if not cached or min(hits) >= len(ps[0]["prompt_token_ids"]) - self.args.cache_slack:
+                    break
             if any(len(o.outputs[0].token_ids) != p.max_tokens for o, p in zip(outs, sp, strict=True)):
                 raise RuntimeError(f"{key}: a request stopped before its max_tokens")
-            return {"key": key, "s": s}
+            reply: dict[str, Any] = {"key": key, "s": s}
+            if cached:
+                reply.update(cached_min=min(hits), prompt_len=len(ps[0]["prompt_token_ids"]), attempts=attempt + 1,
+                             decode_window_s=_decode_window(outs), prefill_s=warm_s)
+            return reply
         from bench_common import profile_step, step_anatomy
 
         if op == "profile":
@@ -212,6 +245,21 @@ class Engine:
         raise ValueError(f"unknown op {op!r}")
 
 
+def rollout_key(cmd: dict[str, Any]) -> str:
+    """``rollout NxLxT`` or, with an explicit answer range, ``rollout NxLxLO-HI``."""
+    tail = f"{cmd['lo']}-{cmd['hi']}" if cmd.get("lo") is not None else str(cmd["T"])
+    return f"rollout {cmd['N']}x{cmd['L']}x{tail}"
+
+
+def _decode_window(outs: list[Any]) -> float | None:
+    """Seconds from the last request's first token to the last token of any (every request decoding), from
+    the engine's request timestamps; None where vLLM does not report them."""
+    stats = [getattr(o, "metrics", None) for o in outs]
+    if any(m is None or not getattr(m, "first_token_ts", 0) for m in stats):
+        return None
+    return max(m.last_token_ts for m in stats) - max(m.first_token_ts for m in stats)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
@@ -220,6 +268,11 @@ def main() -> int:
     ap.add_argument("--attention-backend", default="TRITON_ATTN")
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prefix-caching", action="store_true", help="needed by decode_ctx; other workloads reset the "
+                    "cache before each timed call")
+    ap.add_argument("--cache-slack", type=int, default=1,
+                    help="decode_ctx: prompt tokens a cached call may recompute (the last one always is)")
     ap.add_argument("--prompt-vocab", type=int, default=500)
     ap.add_argument("--scopes", action="store_true", help="turn on vLLM's profiling scopes (for the anatomy op)")
     args = ap.parse_args()

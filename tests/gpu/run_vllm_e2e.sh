@@ -18,6 +18,14 @@
 #                                           # (BENCH_CONFIGS, BENCH_REPS; BENCH_ROLLOUT=NxLxT, default 1024x256x128, empty: none)
 #   bash tests/gpu/run_vllm_e2e.sh bench_eager  # titan eager beside titan (what the graphs buy)
 #   bash tests/gpu/run_vllm_e2e.sh bench_bi # titan with BI on vs off at a smaller prefill
+#   bash tests/gpu/run_vllm_e2e.sh setup_long  # full-depth checkpoints: the 9B shape at 32 layers (dense32, dense32_vlm;
+#                                              # the published max_position_embeddings), in the background like setup_bg
+#   bash tests/gpu/run_vllm_e2e.sh attn_long   # benchmarks/bi_attention_long.py: the BI split-KV kernel vs vLLM's at 8K-64K
+#   bash tests/gpu/run_vllm_e2e.sh parity_long # parity at 32K context on dense32: BI, graphs, prefix caching (a 32K shared
+#                                              # prefix, prompts split over several prefill steps)
+#   bash tests/gpu/run_vllm_e2e.sh bench_long  # serving_long.json: decode at 8K/32K/64K, prefill 1x32K/1x64K, a rollout with
+#                                              # answers of 1-4K tokens, on dense32 (LONG_CONFIGS, LONG_SEQUENTIAL=1: one engine
+#                                              # at a time, LONG_MERGE=earlier.json to join an earlier call's engines)
 #   bash tests/gpu/run_vllm_e2e.sh profile  # one profiled generate call per workload: CUDA kernels by time
 #                                           # (PROFILE_CONFIGS, default titan,titan_bi; native_graphs takes ~300 s more;
 #                                           #  HOST_PROFILE=1: also cProfile each decode call: the host's time by function)
@@ -58,6 +66,18 @@ if [[ $what == checks_wait ]]; then
     [ -f /tmp/e2e-checks.done ] && echo "checks done (waited $(( $(date +%s) - t )) s)" || echo "checks STILL RUNNING after $(( $(date +%s) - t )) s"
     cat /tmp/e2e-checks/checks.log; cp /tmp/e2e-checks/*.log /tmp/e2e-checks/*.json "$out"/ 2>/dev/null
     trap - EXIT; exit 0
+fi
+if [[ $what == setup_long ]]; then  # started in the background (two 18 GB checkpoints: about two minutes)
+    [ -f $ck/.setup-running ] && { echo "a background setup is already running"; trap - EXIT; exit 0; }
+    touch $ck/.setup-running
+    setsid nohup bash -c "
+        python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/titan-site . &&
+        python3 -m pip install -q --no-deps --no-index --target /tmp/titan-site .whl/fla_core-*.whl &&
+        for layout in text vlm; do d=$ck/dense32\$( [ \$layout = vlm ] && echo _vlm ); [ -f \$d/config.json ] ||
+            python3 -m titan_rl_ext.tools.make_tiny --arch qwen3_5 --shape qwen3_5-9b --layers 32 --layout \$layout \
+                --dtype bfloat16 --device cuda --out \$d || break; done; rm -f $ck/.setup-running" > /tmp/e2e-setup.log 2>&1 < /dev/null &
+    trap - EXIT
+    echo "full-depth checkpoints building in the background (log: /tmp/e2e-setup.log)"; exit 0
 fi
 if [[ $what != setup && $what != all && -f $ck/.setup-running ]]; then  # a setup_bg build still running
     t=$(date +%s)
@@ -125,6 +145,21 @@ if [[ $what == bench_bi || $what == all ]]; then
     # BI's cost in the generator (smaller prefill: BI attention runs one sequence at a time)
     timeout 560 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --configs titan,titan_bi --decode-tokens 64 \
         --prefill 4x1024 --reps 2 --out "$out/throughput_bi.json" --timeout 200 2>&1 | tee "$out/throughput_bi.log" | tail -8
+fi
+if [[ $what == attn_long ]]; then
+    timeout 580 python3 benchmarks/bi_attention_long.py --out "$out/bi_attention_long.json" 2>&1 | tee "$out/attn_long.log" | tail -20
+fi
+if [[ $what == parity_long ]]; then  # 12 prompts, every third extending a 32K shared prefix; 4096-token steps
+    parity dense32_long_bi --model-dir $ck/dense32 --max-num-batched-tokens 4224 --bi --prefix-caching --num-seqs 12 \
+        --max-tokens 32 --shared-prefix 32768 --doctor
+fi
+if [[ $what == bench_long ]]; then
+    timeout 590 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense32 --native-dir $ck/dense32_vlm \
+        --configs ${LONG_CONFIGS:-native_graphs,titan,titan_bi} ${LONG_SEQUENTIAL:+--sequential} --workload-major \
+        --batch-sizes "" --decode-ctx "${LONG_DECODE:-8192:1,8,32;32768:1,8,32;65536:1,4}" --decode-tokens 128 \
+        --prefill "${LONG_PREFILL:-1x32768,1x65536}" --rollout "${LONG_ROLLOUT-64x1024x1024-4096}" --reps ${BENCH_REPS:-3} \
+        ${LONG_MERGE:+--merge $LONG_MERGE} --gpu-mem ${LONG_GPU_MEM:-0} \
+        --out "$out/throughput_long.json" --serving-json "$out/serving_long.json" --timeout 400 2>&1 | tee "$out/throughput_long.log" | tail -20
 fi
 if [[ $what == profile ]]; then
     timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \

@@ -3,12 +3,16 @@ Qwen3.5-9B GDN shapes (16 qk heads, 32 v heads, dim 128). One process builds, ch
 
     python benchmarks/gdn_recurrent.py [--out gdn_recurrent.json]
     TRITON_INTERPRET=1 python benchmarks/gdn_recurrent.py --smoke --device cpu   # tiny shapes, CPU
+    python benchmarks/gdn_recurrent.py --long [--out gdn_long.json]   # one 32K and one 64K prompt, shipped config
 
 Workloads (one GDN layer's token mixing; inputs as ``GatedDeltaNet`` hands them over: q/k fp32 L2-normalised,
 v/beta bf16, g fp32):
   train     T = 8192 packed from 1000,3000,2500,1692, no state        (the BI trainer's forward)
   prefill   16 x 2048 with states                                       (a BI prefill step in vLLM)
   decode_B  B = 1, 32, 256 sequences of one token with states           (a decode step)
+  long      (``--long``, instead of the above) one prompt of 32768 / 65536 tokens with a state: a long prompt's
+            prefill, where the recurrent kernel has one program per (value head, value block) and the figure of
+            merit is its per-token chain (the shipped config, FLA's chunk and recurrent kernels)
 
 Variants:
   fla_rec     FLA fused_recurrent (BV 8, one warp)   -- what BI runs today (TITAN_GDN_RECURRENT=fla)
@@ -164,6 +168,7 @@ def main() -> int:
     ap.add_argument("--heads", default="16,32,128,128", help="qk heads, v heads, k dim, v dim (9B)")
     add_timing_args(ap, warmup=2, reps=10, max_s=1.5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--long", action="store_true", help="one 32K and one 64K prompt instead, the shipped config only")
     args = ap.parse_args()
     dev = resolve_device(ap, args)
     t_start = time.perf_counter()
@@ -175,6 +180,9 @@ def main() -> int:
         H, HV, K, V = (int(n) for n in args.heads.split(","))
         shapes = {"train": ([1000, 3000, 2500, 1692], False), "prefill": ([2048] * 16, True),
                   "decode_B1": ([1], True), "decode_B32": ([1] * 32, True), "decode_B256": ([1] * 256, True)}
+        if args.long:
+            shapes = {"train": ([1000, 3000, 2500, 1692], False), "long_32k": ([32768], True),
+                      "long_64k": ([65536], True)}
     use_fla = dev.type == "cuda" and fla_available()
     env = environment(dev)
     env.update(fla_used=use_fla, heads=dict(H=H, HV=HV, K=K, V=V))
@@ -193,7 +201,7 @@ def main() -> int:
                 lambda x, mode=mode: gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["scale"],
                                                       x["s0"], mode, "fla"))
     checks: dict[str, Any] = {}
-    cfgs = configs(args.smoke)
+    cfgs = configs(args.smoke)[:1] if args.long else configs(args.smoke)
     for cfg in cfgs:
         t0 = time.perf_counter()
         name = name_of(cfg)
@@ -213,7 +221,7 @@ def main() -> int:
     if default in variants:
         variants["titan_unfused"] = lambda x: run_unfused(x, cfgs[0])
         variants["titan_prep"] = lambda x: run_titan(x, cfgs[0], fused_prep=True)
-    for n in STATEFUL:
+    for n in () if args.long else STATEFUL:
         if n.startswith("titan") or use_fla:
             variants[n] = lambda x, n=n: engine_step(x, n)
     results["checks"] = checks
@@ -256,12 +264,16 @@ def main() -> int:
         for w in inputs:
             if n in table[w]:
                 r[w] = table[w][n]["ms"]
-        if n in table["train"]:
-            r["us_per_token_train"] = 1e3 * table["train"][n]["ms"] / longest["train"]
+                r[f"us_per_token_{w}"] = 1e3 * table[w][n]["ms"] / longest[w]
         rows_out.append(r)
+    per_token = [w for w in inputs if w == "train" or w.startswith("long")]
     cols = [("variant", "variant", "s")] + [(w, f"{w} ms", ".3f") for w in inputs] + [
-        ("us_per_token_train", "us/token (train, longest seq)", ".3f")]
+        (f"us_per_token_{w}", f"us/token ({w}, longest seq)", ".3f") for w in per_token]
     print(fmt_table(rows_out, cols))
+    if args.long:
+        results["table"] = rows_out
+        save()
+        return 0
     base = "fla_rec" if "fla_rec" in variants else default
     cands = [n for n in variants if n.startswith("titan[")]
     if cands:

@@ -15,8 +15,10 @@ vLLM's chunked prefill schedules it): BI vs vLLM, against the tensor-core floor 
 matrix rate measured here).
 
 Before timing, each context's bits are checked: the split-parallel decode of a sequence's last query equals
-the last row of the trainer's packed launch over the whole sequence (``torch.equal``). Each variant is timed
-in two interleaved rounds.
+the last row of the trainer's packed launch over the whole sequence (``torch.equal``), and every launch variant
+(software prefetch of the next key block, pipelining stages: ``attention_triton.Launch``) gives the shipped
+launch's bits. Decode variants are captured in a CUDA graph and timed by replay (the engine runs decode
+under graphs: the host's launch cost is not the kernel's); each variant is timed in two interleaved rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import Timer, base_parser, environment, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
 
-from titan_rl_ext.kernels.attention_triton import SPLIT, bi_attention_fwd  # noqa: E402
+from titan_rl_ext.kernels.attention_triton import LAUNCH, SPLIT, Launch, bi_attention_fwd  # noqa: E402
 
 N_HEADS, KV_HEADS, HEAD_DIM = 16, 4, 256
 
@@ -151,10 +153,14 @@ def main() -> int:
                 "bi_tile": lambda: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale, block_table=bt_b,
                                                     split_programs_override=1),
             }
+            for name, how in _launch_variants("split"):
+                variants[name] = lambda how=how: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale, block_table=bt_b,
+                                                                  launch=how)
             if vllm_run is not None:
                 segm = _segm_buffers(dev)
                 variants["vllm"] = lambda: vllm_run(q, kc, vc, out, cu_q, 1, sl, ctx, bt_b, scale, segm)
-            row = _time(variants, timer, args.reps)
+            row = {"variants_equal": _same_bits(variants, exclude=("vllm",))}
+            row.update(_time(variants, timer, args.reps, graphs=cuda))
             nbytes = B * ctx * KV_HEADS * HEAD_DIM * 2 * 2
             row.update(case=f"decode ctx={ctx} B={B}", ctx=ctx, B=B, bytes=nbytes)
             if cuda:
@@ -185,6 +191,12 @@ def main() -> int:
                 vllm_run(q[s:e], kc, vc, out[s:e], cuq, e - s, cuq[1:] + s, e, bt, scale, segm)
 
         variants = {"bi_split": bi_prefill}
+        for name, how in _launch_variants("tile"):
+            def bi_variant(how: Launch = how) -> None:
+                for s, e in chunks:
+                    cuq = torch.tensor([0, e - s], dtype=torch.int32, device=dev)
+                    bi_attention_fwd(q[s:e], kc, vc, cuq, cuq[1:] + s, e - s, scale, block_table=bt, launch=how)
+            variants[name] = bi_variant
         if vllm_run is not None:
             variants["vllm"] = vllm_prefill
         row = _time(variants, timer, max(2, args.reps // 3))
@@ -199,18 +211,54 @@ def main() -> int:
         save()
         print(_line(row))
         del kc, vc, bt, q, out
-    results["all_bits_equal"] = all(c["decode_equals_packed"] for c in results["checks"])
+    results["all_bits_equal"] = (all(c["decode_equals_packed"] for c in results["checks"])
+                                 and all(r.get("variants_equal", True) for r in results["rows"]))
+    bi_cols = sorted({k for r in results["rows"] for k in r if k.endswith("_ms") and k.startswith(("split_", "tile_"))})
+    results["fastest"] = {r["case"]: min([("bi_split", r["bi_split_ms"])] + [(k[:-3], r[k]) for k in bi_cols if k in r],
+                                         key=lambda x: x[1]) for r in results["rows"]}
     save()
     cols = [("case", "case", ""), ("bi_split_ms", "BI split ms", ".4f"), ("bi_tile_ms", "BI per-tile ms", ".4f"),
             ("vllm_ms", "vLLM ms", ".4f"), ("floor_ms", "floor ms", ".4f"), ("bi_over_vllm", "BI/vLLM", ".2f"),
             ("bi_split_spread_pct", "spread %", ".1f")]
     print("\nSUMMARY " + ("bits equal" if results["all_bits_equal"] else "BITS DIFFER"))
     print(fmt_table(results["rows"], cols))
+    print("fastest BI launch per case: " + "; ".join(f"{c}: {n} {ms:.4f}" for c, (n, ms) in results["fastest"].items()))
+    print(fmt_table(results["rows"], [("case", "case", "")] + [(k, k[:-3], ".4f") for k in bi_cols]))
     return 0 if results["all_bits_equal"] else 1
 
 
-def _time(variants: dict[str, Callable[[], Any]], timer: Timer, reps: int) -> dict[str, Any]:
+def _launch_variants(path: str) -> list[tuple[str, Launch]]:
+    """Launches other than the shipped one (``LAUNCH[path]``) to time beside it: prefetch on/off, 2-4 stages."""
+    shipped = LAUNCH[path]
+    out = []
+    for pf in (0, 1):
+        for st in (2, 3, 4):
+            how = Launch(prefetch=pf, stages=st)
+            if how != shipped:
+                out.append((f"{path}_pf{pf}_st{st}", how))
+    return out
+
+
+def _same_bits(variants: dict[str, Callable[[], Any]], exclude: tuple[str, ...]) -> bool:
+    """Every BI variant's output equals the first's (the shipped launch)."""
+    outs = [fn() for name, fn in variants.items() if name not in exclude]
+    return all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured once in a CUDA graph (after an eager call that compiles it); the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time(variants: dict[str, Callable[[], Any]], timer: Timer, reps: int, graphs: bool = False) -> dict[str, Any]:
     """Two interleaved rounds of every variant; per variant the mean of the round medians and their spread."""
+    if graphs:
+        variants = {name: _graphed(fn) for name, fn in variants.items()}
     med: dict[str, list[float]] = {k: [] for k in variants}
     for rnd in range(2):
         for name, fn in variants.items():

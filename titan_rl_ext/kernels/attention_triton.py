@@ -43,6 +43,7 @@ definition above.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -67,6 +68,18 @@ _WORKSPACE_CAP = 512 << 20
 _MERGE_UNROLL = 8  # partials loaded per iteration of the fold (independent loads issued together)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched, apart from what fixes the bits (``CONFIGS``, ``SPLIT``): software
+    prefetch of the next key block, pipelining stages (None: the tile table's), per path."""
+
+    prefetch: int = 0
+    stages: int | None = None
+
+
+LAUNCH = {"tile": Launch(), "split": Launch()}
+
+
 @triton.jit
 def _merge(M, L, A, m, l, a):
     """Fold a split's partial ``(m, l, a)`` into the running ``(M, L, A)``. A split with no visible key for a
@@ -81,31 +94,59 @@ def _merge(M, L, A, m, l, a):
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
+             stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+             start_n, bound, offs_d, d_ok, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Keys ``[BLOCK_D, BLOCK_N]`` and values ``[BLOCK_N, BLOCK_D]`` of positions ``start_n ..`` (zeros at and
+    past ``bound``), and which of them exist."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < bound
+    if PAGED:
+        blk = tl.load(block_table_ptr + seq * stride_bt + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+        in_blk = (offs_n % block_size).to(tl.int64)
+        k_row = blk * stride_kb + in_blk * stride_kp
+        v_row = blk * stride_vb + in_blk * stride_vp
+    else:
+        k_row = (k_base + offs_n) * stride_kp
+        v_row = (k_base + offs_n) * stride_vp
+    k = tl.load(k_ptr + k_row[None, :] + kv_head * stride_kh + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + v_row[:, None] + kv_head * stride_vh + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _split_partial(
     q, k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     pos_m, L, lo, hi, qk_scale, offs_d, d_ok,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Online softmax over keys ``lo .. hi-1`` (one split, or its part below the tile's horizon) from a fresh
-    state: ``(m, l, acc)`` per row, ``m = -inf`` for a row that sees none of these keys."""
+    state: ``(m, l, acc)`` per row, ``m = -inf`` for a row that sees none of these keys. ``PREFETCH``: the next
+    block's keys and values are loaded before this block is computed (the same values: speed only)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if PREFETCH:
+        k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
+                                stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                                lo, tl.minimum(L, hi), offs_d, d_ok, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < L
-        if PAGED:
-            blk = tl.load(block_table_ptr + seq * stride_bt + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
-            in_blk = (offs_n % block_size).to(tl.int64)
-            k_row = blk * stride_kb + in_blk * stride_kp
-            v_row = blk * stride_vb + in_blk * stride_vp
+        if PREFETCH:
+            k, v = k_nxt, v_nxt
+            # keys past hi are never used: the last prefetch reads nothing
+            k_nxt, v_nxt = _kv_tile(k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
+                                    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                                    start_n + BLOCK_N, tl.minimum(L, hi), offs_d, d_ok, BLOCK_N, PAGED)
         else:
-            k_row = (k_base + offs_n) * stride_kp
-            v_row = (k_base + offs_n) * stride_vp
-        k = tl.load(k_ptr + k_row[None, :] + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            k, v = _kv_tile(k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
+                            stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                            start_n, tl.minimum(L, hi), offs_d, d_ok, BLOCK_N, PAGED)
         if UPCAST:
             s = tl.dot(q.to(tl.float64), k.to(tl.float64)).to(tl.float32)
         else:
@@ -120,8 +161,6 @@ def _split_partial(
         p = tl.math.exp2(s - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptr + v_row[:, None] + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         p_lo = p.to(v.dtype)
         if UPCAST:
             acc += tl.dot(p_lo.to(tl.float64), v.to(tl.float64)).to(tl.float32)
@@ -140,7 +179,7 @@ def _bi_attn_fwd_kernel(
     block_size, qk_scale, n_progs, ws_splits,
     N_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PAGED: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_OUT: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, SPLIT_OUT: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """``SPLIT_OUT`` False: program ``(tile, seq, kv_head)`` folds every split of its tile and writes the
     output. True: program ``(p, seq, kv_head)`` writes the partials of splits ``p, p + n_progs, ...`` (the
@@ -179,7 +218,7 @@ def _bi_attn_fwd_kernel(
                     q, k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
                     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                     pos_m, L, lo, tl.minimum(lo + SPLIT, hi), qk_scale, offs_d, d_ok,
-                    BLOCK_M, BLOCK_N, BLOCK_D, PAGED, UPCAST, INPUT_PRECISION)
+                    BLOCK_M, BLOCK_N, BLOCK_D, PAGED, UPCAST, INPUT_PRECISION, PREFETCH)
                 ws = (rows_q * N_HEADS + head) * ws_splits + j
                 tl.store(ws_ml_ptr + ws * 2, m_j, mask=row_ok)
                 tl.store(ws_ml_ptr + ws * 2 + 1, l_j, mask=row_ok)
@@ -194,7 +233,7 @@ def _bi_attn_fwd_kernel(
                     q, k_ptr, v_ptr, seq, kv_head, k_base, block_table_ptr, stride_bt, block_size,
                     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                     pos_m, L, lo, tl.minimum(lo + SPLIT, hi), qk_scale, offs_d, d_ok,
-                    BLOCK_M, BLOCK_N, BLOCK_D, PAGED, UPCAST, INPUT_PRECISION)
+                    BLOCK_M, BLOCK_N, BLOCK_D, PAGED, UPCAST, INPUT_PRECISION, PREFETCH)
                 M, Ls, A = _merge(M, Ls, A, m_j, l_j, a_j)
             o = A / Ls[:, None]
             tl.store(o_ptr + rows_q[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -287,6 +326,7 @@ def bi_attention_fwd(
     k_start: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     split_programs_override: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries ``[T, N, H]`` (``cu_q`` ``[S+1]``, ``seq_lens`` ``[S]`` keys per
     sequence, ``max_q`` a bound on queries per sequence). Keys/values either packed ``[R, K, H]`` with
@@ -295,7 +335,7 @@ def bi_attention_fwd(
 
     Launches whose sequences each fit one query tile (decode steps) reduce the splits in parallel
     programs; ``split_programs_override`` fixes the programs per (sequence, KV head) (1: the per-tile path),
-    for tests: the bits are the same for every value."""
+    for tests: the bits are the same for every value, as for ``launch`` (default: ``LAUNCH`` of the path taken)."""
     if q_TNH.dim() != 3:
         raise ValueError(f"q must be [T, N, H]; got {tuple(q_TNH.shape)}")
     T, N, H = q_TNH.shape
@@ -346,6 +386,7 @@ def bi_attention_fwd(
     else:
         ws_acc = ws_ml = o  # unused pointer arguments still need a tensor
         grid = (triton.cdiv(max_q, qpt), S, n_kv)
+    how = launch or LAUNCH["split" if split_out else "tile"]
     dummy = cu_q
     common = dict(N_HEADS=N, GQA=gqa, HEAD_DIM=H, BLOCK_D=block_d, SPLIT=SPLIT)
     # no contraction of a*b + c into fma: the fold must round alike in both kernels (see the module doc)
@@ -359,7 +400,7 @@ def bi_attention_fwd(
         block_size, scale * LOG2E, n_progs, max_splits,
         **common, BLOCK_M=bm, BLOCK_N=bn, PAGED=paged, UPCAST=q_TNH.device.type != "cuda",
         INPUT_PRECISION="ieee" if q_TNH.dtype == torch.float32 else "tf32",  # fp32: full-precision dots
-        SPLIT_OUT=split_out, num_warps=warps, num_stages=stages, **fusion,
+        SPLIT_OUT=split_out, PREFETCH=how.prefetch, num_warps=warps, num_stages=how.stages or stages, **fusion,
     )
     if split_out:
         _bi_attn_merge_kernel[(S, n_kv)](

@@ -54,7 +54,7 @@ def engine_model(worker: object) -> torch.nn.Module:
 
 def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, attention_backend: str | None = None,
                  max_num_batched_tokens: int = 64, spec: str | None = None, enforce_eager: bool = False,
-                 max_model_len: int = 2048) -> object:
+                 max_model_len: int = 2048, max_num_seqs: int = 64) -> object:
     from vllm import LLM
 
     extra: dict[str, object] = {"attention_backend": attention_backend} if attention_backend else {}
@@ -66,6 +66,7 @@ def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, at
         **extra,
         model=model_dir, model_impl="titan", dtype=dtype, seed=seed, enforce_eager=enforce_eager,
         enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,  # a deep model's state slots at 0.3 of the GPU hold fewer than vLLM's default
         gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9,
     )
     # vLLM accepts any --model-impl string and silently serves its native class when the plugin's entry
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     # room for the longest prompt (a long shared prefix: parity at long context) and its answer
     max_model_len = max(2048, max(len(p) for p in prompts) + args.max_tokens + 16)
     llm = start_engine(args.model_dir, args.prefix_caching, args.dtype, args.seed, args.attention_backend,
-                       args.max_num_batched_tokens, args.titan_model_spec, args.enforce_eager, max_model_len)
+                       args.max_num_batched_tokens, args.titan_model_spec, args.enforce_eager, max_model_len,
+                       max(64, args.num_seqs))
     if args.perturb_generator_op:
         from titan_rl_ext.tools.parity_doctor import perturb_output_hook
 

@@ -8,8 +8,9 @@ answers one JSON command per stdin line with one ``REPLY {json}`` line on stdout
 - ``{"op": "decode", "B": 32, "tokens": 64}``: one timed ``generate`` of B prompts of 32 tokens, ``tokens``
   new tokens each (the first call of a workload runs it once untimed: graphs, autotuning, allocator)
 - ``{"op": "prefill", "N": 16, "L": 2048}``: one timed ``generate`` of N prompts of L tokens, one new token each
-- ``{"op": "decode_ctx", "B": 8, "L": 32737, "tokens": 128}``: decode at long context: B prompts of L tokens
-  (L one past a whole number of cache blocks), ``tokens`` new tokens each. Needs ``--prefix-caching``: the
+- ``{"op": "decode_ctx", "B": 8, "ctx": 32768, "tokens": 128}``: decode at long context: B prompts of one token
+  past the largest whole number of this engine's cache blocks within ``ctx`` (engines whose blocks differ get
+  prompts a block apart at most, and report theirs), ``tokens`` new tokens each. Needs ``--prefix-caching``: the
   untimed first call prefills and caches the prompts, so the timed call recomputes one token per prompt and
   then decodes. Replies with the prompt tokens found cached (a call that missed is re-run once it is cached)
   and, where vLLM reports request timestamps, the decode window (last first token to last token)
@@ -184,7 +185,8 @@ class Engine:
             key, n, length = f"prefill {cmd['N']}x{cmd['L']}", cmd["N"], cmd["L"]
             news = [1] * n
         elif kind == "decode_ctx":
-            key, n, length = f"decode_ctx {cmd['B']}x{cmd['L']}", cmd["B"], cmd["L"]
+            bs = self.info["block_size"]
+            key, n, length = f"decode_ctx {cmd['B']}x{cmd['ctx']}", cmd["B"], max(1, cmd["ctx"] // bs) * bs + 1
             news = [cmd["tokens"]] * n
         elif kind == "rollout":
             key, n, length = rollout_key(cmd), cmd["N"], cmd["L"]
@@ -193,7 +195,7 @@ class Engine:
             raise ValueError(f"unknown workload {kind!r}")
         # long-context prompts are seeded by their length alone: the B prompts of a smaller batch are the first
         # of a larger one's, so a larger batch timed first leaves them cached
-        seed_key = f"decode_ctx {length}" if kind == "decode_ctx" else key
+        seed_key = f"decode_ctx {cmd['ctx']}" if kind == "decode_ctx" else key
         g = self.torch.Generator().manual_seed(zlib.crc32(seed_key.encode()))
         vocab = min(self.args.prompt_vocab, 500)
         ps = [TokensPrompt(prompt_token_ids=self.torch.randint(3, vocab, (length,), generator=g).tolist())

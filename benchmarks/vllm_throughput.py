@@ -34,8 +34,8 @@ engine at a time (for models that do not fit several times).
 Decode: B prompts of 32 tokens, ``decode_tokens`` new tokens each (``ignore_eos``, greedy, no
 detokenisation); tokens/s = B * decode_tokens / wall (the 32-token prefill is included).
 Decode at long context (``--decode-ctx "CTX:B,B;..."``): B prompts of about CTX tokens (one past the largest whole
-number of the first engine's cache blocks, so a cached prompt leaves one token to recompute), ``decode_tokens``
-new tokens each. The engines run with prefix caching: the untimed first call prefills and caches the prompts
+number of the engine's own cache blocks, so a cached prompt leaves one token to recompute; each engine's prompt
+length is recorded), ``decode_tokens`` new tokens each. The engines run with prefix caching: the untimed first call prefills and caches the prompts
 (its wall is reported as ``prefill_s``), the timed calls decode from the cache (the worker checks the hits and
 re-times a call whose prompts an earlier workload evicted); tokens/s = B * decode_tokens / wall.
 Prefill: ``--prefill`` N prompts of L tokens (default 16x2048; a comma list for several, e.g. ``1x32768,1x65536``:
@@ -172,7 +172,7 @@ def needed_model_len(args: argparse.Namespace) -> int:
 
 
 def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
-    ctx = [{"op": "decode_ctx", "B": b, "ctx": c, "L": args.ctx_len.get(c, c + 1), "tokens": args.decode_tokens}
+    ctx = [{"op": "decode_ctx", "B": b, "ctx": c, "tokens": args.decode_tokens}
            for c, bs in _parse_decode_ctx(args.decode_ctx) for b in bs]
     return ([{"op": "decode", "B": b, "tokens": args.decode_tokens} for b in args.batch_sizes] + ctx
             + [{"op": "prefill", "N": n, "L": length} for n, length in _prefills(args)]
@@ -181,12 +181,12 @@ def _workloads(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _names(wl: dict[str, Any]) -> tuple[str, str, str]:
     """A workload's key (as the worker reports it) and its (kind, size) in the results: ``decode B=32``,
-    ("decode", "32"); ``decode_ctx 8x32737``, ("decode_ctx", "8x32737"); ``prefill 16x2048``, ("prefill",
+    ("decode", "32"); ``decode_ctx 8x32768``, ("decode_ctx", "8x32768"); ``prefill 16x2048``, ("prefill",
     "16x2048"); ``rollout 1024x256x128``."""
     if wl["op"] == "decode":
         return f"decode B={wl['B']}", "decode", str(wl["B"])
     if wl["op"] == "decode_ctx":
-        return f"decode_ctx {wl['B']}x{wl['L']}", "decode_ctx", f"{wl['B']}x{wl['L']}"
+        return f"decode_ctx {wl['B']}x{wl['ctx']}", "decode_ctx", f"{wl['B']}x{wl['ctx']}"
     if wl["op"] == "rollout":
         key = rollout_key(wl)
         return key, "rollout", key.split(" ", 1)[1]
@@ -200,13 +200,6 @@ def _tok_s(w: dict[str, Any], s: float) -> float:
     return w["B"] * w["tokens"] / s if w["op"] in ("decode", "decode_ctx") else w["N"] * w["L"] / s
 
 
-def _fill_ctx_lengths(args: argparse.Namespace, block_size: int) -> None:
-    """Each long-context prompt: one token past the largest whole number of cache blocks within its context,
-    fixed by the first engine up (the others are checked against the cache hits they report)."""
-    for c, _ in _parse_decode_ctx(args.decode_ctx):
-        args.ctx_len.setdefault(c, max(1, c // block_size) * block_size + 1)
-
-
 def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str, Any]], log_dir: str) -> None:
     """Start ``cfgs`` together, time them rep by rep (engine order rotating), then the optional profiles."""
     gpu_mem = args.gpu_mem or min(0.5, 0.85 / len(cfgs))
@@ -218,7 +211,6 @@ def _run(cfgs: list[str], args: argparse.Namespace, results: dict[str, dict[str,
             results[cfg] = {**w.ready(args.timeout), "decode": {}, "decode_ctx": {}, "prefill": {}, "rollout": {},
                             "times_s": {}, "cache": {}}
             workers[cfg] = w
-            _fill_ctx_lengths(args, results[cfg]["block_size"])
             print(f"[{cfg}] ready in {time.perf_counter() - t:.0f} s: {results[cfg]['served_class']}, "
                   f"graphs {results[cfg]['cudagraph_mode']}, async scheduling {results[cfg]['async_scheduling']}", flush=True)
         except RuntimeError as e:
@@ -313,8 +305,10 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
             if kind == "decode":
                 shape: dict[str, Any] = {"workload": "decode", "B": int(k), "context": 32}
             elif kind == "decode_ctx":
-                b, length = (int(x) for x in k.split("x"))
-                shape = {"workload": "decode", "B": b, "context": length}
+                b, ctx = (int(x) for x in k.split("x"))
+                # each engine's prompt: one past its whole cache blocks within ctx
+                lens = {c: results[c]["cache"][f"decode_ctx {k}"][0]["prompt_len"] for c in need}
+                shape = {"workload": "decode", "B": b, "context": ctx, "prompt_len": lens}
             elif kind == "prefill":
                 n, length = (int(x) for x in k.split("x"))
                 shape = {"workload": "prefill", "B": n, "prompt_len": length, "context": length}
@@ -385,7 +379,6 @@ def main() -> int:
     args.max_model_len = args.max_model_len or max(4096, needed_model_len(args))
     if args.max_model_len < needed_model_len(args):
         ap.error(f"--max-model-len {args.max_model_len} is shorter than the workloads need ({needed_model_len(args)})")
-    args.ctx_len = {}  # long-context prompt lengths, fixed by the first engine's cache block size
     cfgs = args.configs.split(",")
     if unknown := [c for c in cfgs if c not in CONFIGS]:
         ap.error(f"unknown configs {unknown}; choose from {CONFIGS}")

@@ -77,7 +77,10 @@ class Launch:
     stages: int | None = None
 
 
-LAUNCH = {"tile": Launch(), "split": Launch()}
+# Split-parallel decode programs only stream keys, with nothing else to hide a block's latency behind: they load
+# the next block ahead. Per-tile prefills are compute-bound and the prefetch's registers slow them: they do not.
+# (Measured: docs/benchmarks.md §19.)
+LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1)}
 
 
 @triton.jit

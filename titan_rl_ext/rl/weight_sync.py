@@ -1,30 +1,32 @@
-"""Trainer side of the weight push: serialise the titan state dict and POST it to every generator.
+"""Trainer side of the weight push: every generator gets the titan state dict through one weight transport.
 
 The generators run vLLM with ``--model-impl titan`` and ``TITAN_SWAP_TOKEN`` set
-(``vllm_titan_plugin.swap_endpoint``). The payload is a safetensors file (never pickle) holding the full
-titan state dict under titan names; each server validates all of it before touching any weight and swaps
-in place. With ``transport="cuda_ipc"`` (same host, GPU) only CUDA IPC handles travel
-(``titan_rl_ext.wire.cuda_ipc``). ``checksum`` is the function both sides use, so the trainer can compare its tensors with
+(``vllm_titan_plugin.swap_endpoint``). ``WeightPusher`` addresses them (their weights listener or OpenAI
+port, requests signed for each server's boot) and pushes through the transport named by ``transport``
+(``titan_rl_ext.rl.transports``: ``safetensors`` bytes over HTTP, never pickle, or ``cuda_ipc`` handles on
+one host). Each server validates all of a push before touching any weight and swaps in place.
+``checksum`` is the function both sides use, so the trainer can compare its tensors with
 ``GET /titan/v1/weights/checksums`` bit for bit.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from titan_rl_ext.rl.transports import WeightTransport, make_transport
+from titan_rl_ext.rl.transports.base import OCTET_STREAM, PushResult, Staged, push_through
+
 # the protocol's names and bytes live in titan_rl_ext.wire (the serving plugin imports them too); re-exported
 # here for the trainer's callers
 from titan_rl_ext.wire.protocol import (
-    BI_ROUTE, CHECKSUMS_ROUTE, MODES, PUSH_PORT_FIELD, TRANSPORTS, VERSION_ROUTE, WEIGHTS_ROUTE,
+    BI_ROUTE, CHECKSUMS_ROUTE, MODES, PUSH_PORT_FIELD, VERSION_ROUTE, WEIGHTS_ROUTE,
 )
 from titan_rl_ext.wire.weights import checksum, serialize, tensor_checksum
 
-__all__ = ["BI_ROUTE", "TRANSPORTS", "WEIGHTS_ROUTE", "WeightPushError", "WeightPusher", "checksum", "serialize",
+__all__ = ["BI_ROUTE", "WEIGHTS_ROUTE", "WeightPushError", "WeightPusher", "checksum", "serialize",
            "tensor_checksum"]
 
 
@@ -46,20 +48,20 @@ class WeightPusher:
 
     def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0, transport: str = "safetensors",
                  use_listener: bool = True, pause: bool = False) -> None:
+        """``transport``: a name registered in ``titan_rl_ext.rl.transports``."""
         if not urls:
             raise ValueError("WeightPusher needs at least one server URL")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.urls = [u.rstrip("/") for u in urls]
-        self.transport = transport
         self._token = token  # never sent: every request carries a signature made with it (``wire.signing``)
         self.timeout_s = timeout_s
         self._push_urls: dict[str, tuple[str, str]] = {}  # server URL -> (its boot id, where its pushes go)
         self.use_listener = use_listener  # False: push through the OpenAI port (what a listener-less server has)
         self.pause = pause  # True: the servers pause their scheduler around the copy (the long way)
+        self.transport_name = transport
+        self.transport: WeightTransport = make_transport(transport, self)
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
-        """Serialise once, POST to every server concurrently; returns each server's JSON answer
+        """Stage once, send to every server concurrently; returns each server's JSON answer
         (``version``, ``num_tensors``, ``bytes``, ``swap_seconds``, ``validate_seconds``, ``in_flight``: the
         requests that straddle the swap). Raises
         ``WeightPushError`` naming every server that rejected the push."""
@@ -67,41 +69,26 @@ class WeightPusher:
 
     def push_payload(self, payload: bytes, version: int, mode: str = "keep") -> list[dict[str, Any]]:
         """``push`` of an already serialised state dict (``serialize``): lets a caller serialise in one
-        thread or process and send from another. safetensors transport only."""
-        if self.transport != "safetensors":
-            raise ValueError(f"push_payload sends safetensors bytes; this pusher uses transport={self.transport!r}")
-        return self._checked(self._post_all(payload, version, mode, {}), version)
+        thread or process and send from another. Only for a transport that sends those bytes (``stage_bytes``)."""
+        stage_bytes: Callable[[bytes], Staged] | None = getattr(self.transport, "stage_bytes", None)
+        if stage_bytes is None:
+            raise ValueError(f"push_payload sends safetensors bytes; transport {self.transport_name!r} stages its own")
+        params = self._params(version, mode)
+        return self._checked(push_through(self.transport, self.urls, stage_bytes(payload), params), version)
 
     def push_each(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep",
                   on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """``push`` without raising: one ``{"url", "ok", "status", "response" | "error"}`` per server, in
         ``urls`` order (what a fleet needs to decide who stays in the rollout pool). ``on_result`` gets each
         server's as soon as it answers (from a pusher thread), before the slowest server has."""
-        if self.transport == "cuda_ipc":
-            from titan_rl_ext.wire.cuda_ipc import export_tensors
+        params = self._params(version, mode)
+        return push_through(self.transport, self.urls, self.transport.stage(state_dict), params, on_result)
 
-            manifest, keep_alive = export_tensors(state_dict)  # held until every server has copied
-            try:
-                return self._post_all(json.dumps(manifest).encode(), version, mode, {"transport": "cuda_ipc"},
-                                      on_result)
-            finally:
-                del keep_alive
-        return self._post_all(serialize(state_dict), version, mode, {}, on_result)
-
-    def _post_all(self, payload: bytes, version: int, mode: str, extra: dict[str, str],
-                  on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    def _params(self, version: int, mode: str) -> dict[str, str]:
+        """The push's query, whatever the transport adds to it."""
         if mode not in MODES:
             raise ValueError(f"mode must be 'keep' or 'recompute', got {mode!r}")
-        params = {"version": str(int(version)), "mode": mode, **({"pause": "1"} if self.pause else {}), **extra}
-
-        def one(url: str) -> dict[str, Any]:
-            result = self._post(url, payload, params)
-            if on_result is not None:
-                on_result(result)
-            return result
-
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            return list(pool.map(one, self.urls))
+        return {"version": str(int(version)), "mode": mode, **({"pause": "1"} if self.pause else {})}
 
     @staticmethod
     def _checked(results: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
@@ -174,7 +161,8 @@ class WeightPusher:
     def _boot_at(self, base: str) -> str | None:
         return self._discover(base, timeout_cap_s=10.0)[0]
 
-    def _signed(self, url: str, method: str, path: str, params: Mapping[str, str], boot: str | None = None) -> dict[str, str]:
+    def _signed(self, url: str, method: str, path: str, params: Mapping[str, str], boot: str | None = None,
+                content_type: str = OCTET_STREAM) -> dict[str, str]:
         """Headers of one request signed for the server at ``url`` as it is now (its boot id, asked unless
         given): the signature is good for this request on this boot only, and the token stays here."""
         from titan_rl_ext.wire.signing import authorization
@@ -183,7 +171,7 @@ class WeightPusher:
         if boot is None:
             raise WeightPushError(f"{url}: no boot id from its version route, so no request can be signed for it", [])
         return {"Authorization": authorization(self._token, method, path, params, boot),
-                "Content-Type": "application/octet-stream"}
+                "Content-Type": content_type}
 
     @staticmethod
     def _listener_url(url: str, port: int) -> str:
@@ -194,21 +182,25 @@ class WeightPusher:
         host = f"[{host}]" if ":" in host else host
         return urllib.parse.urlunsplit((parts.scheme, f"{host}:{port}", "", "", ""))
 
-    def _post(self, url: str, payload: bytes, params: dict[str, str]) -> dict[str, Any]:
+    def post(self, url: str, body: bytes, params: Mapping[str, str], content_type: str = OCTET_STREAM) -> PushResult:
+        """POST ``body`` to the weights route of the server at ``url`` (its listener when it runs one),
+        signed for its boot; the server's answer, never raised (``transports.base.Link``)."""
         import requests
 
         target = self.push_url(url)
         try:
             boot = self._push_urls[url][0] if url in self._push_urls else None
             try:
-                r = requests.post(f"{target}{WEIGHTS_ROUTE}", params=params, data=payload,
-                                  headers=self._signed(url, "POST", WEIGHTS_ROUTE, params, boot), timeout=self.timeout_s)
+                r = requests.post(f"{target}{WEIGHTS_ROUTE}", params=params, data=body,
+                                  headers=self._signed(url, "POST", WEIGHTS_ROUTE, params, boot, content_type),
+                                  timeout=self.timeout_s)
             except requests.ConnectionError:
                 if target == url:
                     raise
                 self._push_urls.pop(url, None)  # the listener is gone (restart?): the server's own port serves too
-                r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=payload,
-                                  headers=self._signed(url, "POST", WEIGHTS_ROUTE, params), timeout=self.timeout_s)
+                r = requests.post(f"{url}{WEIGHTS_ROUTE}", params=params, data=body,
+                                  headers=self._signed(url, "POST", WEIGHTS_ROUTE, params, content_type=content_type),
+                                  timeout=self.timeout_s)
         except (requests.RequestException, WeightPushError) as e:
             return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
         if r.status_code == 200:

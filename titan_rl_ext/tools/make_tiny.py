@@ -57,8 +57,10 @@ _VISION: dict[str, Any] = dict(
 # Real layer shapes (few layers) for GPU parity and throughput runs: ``--shape qwen3_5-9b --layers 4``.
 _ROPE_REAL: dict[str, Any] = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                               "mrope_section": [11, 11, 10], "mrope_interleaved": True}
-# The published Qwen3.5 configs' context: a checkpoint with the tiny default (4096) stops vLLM at that length.
-_PUBLISHED_MAX_POSITIONS = 262_144
+# What the published Qwen3.5 configs carry beyond the layer shapes: their context (the tiny default, 4096, stops
+# vLLM there) and the GDN state's dtype, which vLLM's native class reads into its state cache (without it the
+# native engine keeps a bf16 state: half the state traffic of the published model, and another model's numbers).
+_PUBLISHED = dict(max_position_embeddings=262_144, mamba_ssm_dtype="float32")
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
     # Qwen/Qwen3.5-9B text: hidden 4096, MLP 12288, 16 q / 4 kv heads of 256, GDN 16 key / 32 value heads of 128
@@ -66,7 +68,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=248_320, hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
         linear_value_head_dim=128, full_attention_interval=4, rope_parameters=_ROPE_REAL,
-        max_position_embeddings=_PUBLISHED_MAX_POSITIONS,
+        **_PUBLISHED,
     ),
     # The one-GPU RL recipe's model (``rl_gpu_hybrid``): Qwen3.5-9B's head shapes (16 q / 4 kv heads of 256, GDN
     # 16 key / 32 value heads of 128), hidden 2048, 12 layers (9 GDN + 3 attention), the tiny tokenizer's
@@ -81,7 +83,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=248_320, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
         full_attention_interval=4, rope_parameters=_ROPE_REAL, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=_PUBLISHED_MAX_POSITIONS,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, **_PUBLISHED,
     ),
 }
 

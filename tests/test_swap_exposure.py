@@ -63,7 +63,7 @@ def test_dev_guard_answers_from_the_headers() -> None:
     import asyncio
 
     from vllm_titan_plugin.swap.guard import DevRoutesGuard
-    from vllm_titan_plugin.swap.routes import SwapState
+    from vllm_titan_plugin.swap.state import SwapState
 
     reached: list[str] = []
 

@@ -56,16 +56,16 @@ class FakeEngine:
 
 
 def _state(engine: FakeEngine) -> Any:
-    from vllm_titan_plugin.swap.routes import SwapState
+    from vllm_titan_plugin.swap.state import SwapState
 
     app = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
     return SwapState("token", app)
 
 
 def _swap(state: Any, version: int) -> Any:
-    from vllm_titan_plugin.swap import routes
+    from vllm_titan_plugin.swap import orchestrator
 
-    return asyncio.run(routes._swap(state, "titan_load_weights", "/payload", version, keep_cache=False, pause=True))
+    return asyncio.run(orchestrator.swap(state, "titan_load_weights", "/payload", version, keep_cache=False, pause=True))
 
 
 def test_swap_resumes_after_a_failed_pause() -> None:
@@ -79,11 +79,11 @@ def test_swap_resumes_after_a_failed_pause() -> None:
 
 
 def test_batch_invariance_switch_resumes_after_a_failed_pause() -> None:
-    from vllm_titan_plugin.swap.routes import _flip_batch_invariant
+    from vllm_titan_plugin.swap.orchestrator import flip_batch_invariant
 
     engine = FakeEngine(fail_pause=True)
     with pytest.raises(RuntimeError, match="reset_prefix_cache failed"):
-        asyncio.run(_flip_batch_invariant(_state(engine), True))
+        asyncio.run(flip_batch_invariant(_state(engine), True))
     assert not engine.paused, "engine left paused"
     assert engine.worker_calls == [], "BI flipped although the pause failed"
 
@@ -140,7 +140,7 @@ def test_failed_copy_makes_the_server_dirty_until_a_full_push() -> None:
 
 
 def test_clean_refusal_is_not_dirty() -> None:
-    from vllm_titan_plugin.swap.routes import PushRejected
+    from vllm_titan_plugin.swap.validate import PushRejected
 
     engine = FakeEngine(worker_answer={"problems": ["w: shape [2] vs [3]"], "tensors": ["w"], "status": 422})
     state = _state(engine)
@@ -174,7 +174,7 @@ def test_pushes_stage_one_payload_at_a_time() -> None:
     cancelled while it waits for the slot leaves it free."""
     import threading
 
-    from vllm_titan_plugin.swap.routes import staging_slot
+    from vllm_titan_plugin.swap.orchestrator import staging_slot
 
     state = _state(FakeEngine())
     inside, peak, entries = [0], [0], [0]

@@ -2,7 +2,12 @@
 
 On only when ``TITAN_SWAP_TOKEN`` is set. The concerns, one file each:
 
-- ``routes``: the HTTP routes (push, version, checksums, BI switch) and the swap itself;
+- ``routes``: the HTTP routes (push, version, checksums, BI switch): query checks and answers;
+- ``auth``: who may call them (signed requests or the bearer token), from the headers alone;
+- ``intake``: per transport, how a push's body becomes a validated payload for the workers;
+- ``orchestrator``: the swap itself (staging slot, version check under the lock, between steps or paused,
+  dirty on a part-way failure);
+- ``state``: one server's swap state (version, boot id, engine loop, lock, served spec);
 - ``listener``: those routes on their own port and thread, so a busy OpenAI loop cannot delay a push;
 - ``validate``: what a payload must satisfy before any weight changes;
 - ``worker``: the methods the workers gain (copy in place, checksums, BI switch);
@@ -42,7 +47,8 @@ def install() -> None:
 
 def _attach(app: Any, args: Any = None) -> Any:
     from vllm_titan_plugin.swap import listener, tagging
-    from vllm_titan_plugin.swap.routes import SwapState, make_router
+    from vllm_titan_plugin.swap.routes import make_router
+    from vllm_titan_plugin.swap.state import SwapState
 
     token = os.environ.get(TOKEN_ENV, "")
     if not token:  # unset between plugin load and app build: stay off

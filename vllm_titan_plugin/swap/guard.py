@@ -27,7 +27,7 @@ class DevRoutesGuard:
 
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-            if (err := self.state.auth_error(headers.get("authorization"), scope.get("method", ""), scope["path"],
+            if (err := self.state.auth.error(headers.get("authorization"), scope.get("method", ""), scope["path"],
                                              query)) is not None:
                 status, message = err
                 await send_json(send, status, {"detail": f"vLLM dev route {scope['path']} with titan weight pushes "

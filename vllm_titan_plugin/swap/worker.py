@@ -25,7 +25,7 @@ def worker_load_weights(worker: Any, path: str) -> int | dict[str, Any]:
     parameters in place, or through a native class's ``load_weights`` (the engine is paused). Names, shapes
     and dtypes are re-checked before the first copy: a mismatch answers ``{"problems": ...}`` with nothing
     copied. An exception raised once copying has begun reaches the route, which marks the server dirty
-    (``routes._dirty_on_failure``)."""
+    (``orchestrator._dirty_on_failure``)."""
     from safetensors import safe_open
 
     target = target_of(worker)

@@ -128,8 +128,7 @@ def two_rounds(med: list[float]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def env_set(**values: str) -> Iterator[None]:
-    """Environment switches the kernels read at each call (``TITAN_GDN_RECURRENT``, ``TITAN_FUSED_BACKWARD``) for
-    a block, restored afterwards."""
+    """Settings the kernels read at each call (``TITAN_GDN_RECURRENT``) for a block, restored afterwards."""
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -140,6 +139,20 @@ def env_set(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def torch_head_lse() -> Iterator[None]:
+    """For a block, the LM head's log-softmax through ``torch.log_softmax`` even where the project's statistics
+    kernel replicates it: the same bits (checked), another time."""
+    from titan_rl_ext.kernels import lm_head
+
+    before = lm_head._lse_variant
+    lm_head._lse_variant = lambda logits: None
+    try:
+        yield
+    finally:
+        lm_head._lse_variant = before
 
 
 # --------------------------------------------------------------------------------------------------

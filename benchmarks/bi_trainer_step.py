@@ -14,7 +14,7 @@ Also:
 - sanity check that BI is really on: the same sequences packed in another order, behind an extra filler
   sequence (so T changes too), must give bit-identical per-token logprobs with BI on (exit code 1 if
   not); the BI-off count is printed too; and the head's log-softmax statistics kernel must give the bits of
-  ``torch.log_softmax`` (``bi_torch_lse``: ``TITAN_HEAD_LSE=torch``), counted as ``lse_kernel_vs_torch_differing``;
+  ``torch.log_softmax`` (``bi_torch_lse``: ``bench_common.torch_head_lse``), counted as ``lse_kernel_vs_torch_differing``;
 - beside ``bi`` / ``nonbi``, the same step with one change undone, same process: ``*_head_recompute`` (the head's
   backward recomputes its logits), ``*_ref_bwd`` (the fused kernels' torch-reference gradients),
   ``*_torch_lse`` (torch's log-softmax), ``bi_fla_rec`` (FLA's recurrent GDN kernel instead of the project's, the default);
@@ -32,9 +32,11 @@ BI then differentiates the torch chunked form and the non-BI step fails and is r
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,16 +46,16 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common (it also puts the repo root on sys.path)
 from bench_common import FILLER_LEN, Timer, base_parser, build_slice, env_summary, environment  # noqa: E402
 from bench_common import fla_chunk_bwd_guard, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
-from bench_common import env_set, print_profile, profile_step, two_packings, two_rounds  # noqa: E402
+from bench_common import env_set, print_profile, profile_step, torch_head_lse, two_packings, two_rounds  # noqa: E402
 from bench_common import add_slice_args, packed_lengths  # noqa: E402
 
 from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.conv_triton import bwd_config  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
-from titan_rl_ext.kernels.rows import FUSED_BACKWARD_ENV  # noqa: E402
+from titan_rl_ext.kernels.rows import reference_backward  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
 from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
-from titan_rl_ext.kernels.lm_head import HEAD_LSE_ENV, token_logprobs_fused  # noqa: E402
+from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
 from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
 GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
@@ -126,10 +128,11 @@ def main() -> int:
         model.zero_grad(set_to_none=True)
 
     modes = {"bi": True, "nonbi": False}
+    fla_rec = functools.partial(env_set, **{RECURRENT_ENV: "fla"})  # each mode: a context to run it in
     # bi_torch_lse: the head's log-softmax through torch.log_softmax instead of the statistics kernel, whose
     # logprobs must be the same bits (it replicates torch's summation order)
-    check_modes = {"bi": (True, {}), "nonbi": (False, {}), "bi_fla_rec": (True, {RECURRENT_ENV: "fla"}),
-                   "bi_torch_lse": (True, {HEAD_LSE_ENV: "torch"})}
+    check_modes = {"bi": (True, nullcontext), "nonbi": (False, nullcontext), "bi_fla_rec": (True, fla_rec),
+                   "bi_torch_lse": (True, torch_head_lse)}
 
     # ---- sanity: another batch composition -> BI logprobs bit-identical (also warms up every kernel) -------
     # Packing B = a 127-token filler sequence, then the same sequences rotated: every sequence sits at
@@ -138,7 +141,7 @@ def main() -> int:
     lp_by_mode: dict[str, torch.Tensor] = {}
     check: dict[str, Any] = {"order_a": order, "order_b": [f"filler{FILLER_LEN}"] + perm}
     for mode, (on, switches) in check_modes.items():
-        with torch.no_grad(), batch_invariant(on), env_set(**switches):
+        with torch.no_grad(), batch_invariant(on), switches():
             lp_a = token_logprobs(model, toks, batch)
             lp_b_packed = token_logprobs(model, toks2, batch2)
         lp_b = torch.cat([lp_b_packed[start_b[i]: start_b[i] + lengths[i]] for i in order])  # back to packing A
@@ -170,16 +173,16 @@ def main() -> int:
     from titan_rl_ext.kernels import lm_head
 
     # bi_fla_rec: BI with FLA's recurrent GDN kernel (TITAN_GDN_RECURRENT=fla) instead of the project's (default);
-    # *_ref_bwd: the fused kernels' backward through their torch references (TITAN_FUSED_BACKWARD=0), the path
+    # *_ref_bwd: the fused kernels' backward through their torch references (rows.reference_backward), the path
     # before the backward kernels (the conv's first)
     keep = lm_head.SAVE_BYTES
-    step_modes = {m: (on, keep, {}) for m, on in modes.items()}
-    step_modes.update({"bi_head_recompute": (True, 0, {}), "nonbi_head_recompute": (False, 0, {}),
-                       "bi_fla_rec": (True, keep, {RECURRENT_ENV: "fla"}),
-                       "bi_torch_lse": (True, keep, {HEAD_LSE_ENV: "torch"}),
-                       "nonbi_torch_lse": (False, keep, {HEAD_LSE_ENV: "torch"}),
-                       "bi_ref_bwd": (True, keep, {FUSED_BACKWARD_ENV: "0"}),
-                       "nonbi_ref_bwd": (False, keep, {FUSED_BACKWARD_ENV: "0"})})
+    step_modes = {m: (on, keep, nullcontext) for m, on in modes.items()}
+    step_modes.update({"bi_head_recompute": (True, 0, nullcontext), "nonbi_head_recompute": (False, 0, nullcontext),
+                       "bi_fla_rec": (True, keep, fla_rec),
+                       "bi_torch_lse": (True, keep, torch_head_lse),
+                       "nonbi_torch_lse": (False, keep, torch_head_lse),
+                       "bi_ref_bwd": (True, keep, reference_backward),
+                       "nonbi_ref_bwd": (False, keep, reference_backward)})
     timer = Timer(dev)
     med: dict[str, list[float]] = {m: [] for m in step_modes}
     peak: dict[str, float | None] = {}
@@ -192,7 +195,7 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats(dev)
             kept, lm_head.SAVE_BYTES = lm_head.SAVE_BYTES, save_bytes
             try:
-                with batch_invariant(on), env_set(**switches):
+                with batch_invariant(on), switches():
                     t = timer.run(train_step, warmup=1 if rnd == 0 else 0, reps=args.reps, max_s=args.max_s)
             except RuntimeError as e:  # e.g. FLA's #640 guard left in place
                 errors[mode] = str(e).splitlines()[0][:200]

@@ -300,10 +300,9 @@ def _check_row_backward() -> None:
     further from float64 than the bf16 reference's gradient (what ran before) plus two bf16 ulps of the largest
     entry (the kernels round up to twice on the way, e.g. the activation and then the product, and the interpreter
     truncates each of those casts where the GPU rounds). Rows as the layers hand them over: head views of wider buffers.
-    Through ``kernel_with_reference_grad(..., backward=)``: the kernel's gradients, ``TITAN_FUSED_BACKWARD=0``
+    Through ``kernel_with_reference_grad(..., backward=)``: the kernel's gradients, in ``rows.reference_backward``
     the reference's."""
     import functools
-    import os
 
     import torch
 
@@ -328,7 +327,7 @@ def _check_row_backward() -> None:
             for i, a in enumerate(got):
                 assert a.dtype == ins[i].dtype and a.shape == ins[i].shape, (name, i)
             _grads_near_float64(got, ref, ins, (dy,), label=name)
-    # the dispatch wrapper: the backward kernel's gradients, or with TITAN_FUSED_BACKWARD=0 the reference's
+    # the dispatch wrapper: the backward kernel's gradients, or in reference_backward the reference's
     xg = torch.randn(5, 64, generator=g, requires_grad=True)
     wg = torch.randn(64, generator=g, requires_grad=True)
     dy = torch.randn(5, 64, generator=g)
@@ -337,11 +336,9 @@ def _check_row_backward() -> None:
     bwd = lambda x, w, dy: rt.norm_rows_backward(x, w, 1e-6, 1, dy)[:2]  # noqa: E731
     fused = torch.autograd.grad(rows.kernel_with_reference_grad(kern, ref, xg, wg, backward=bwd), (xg, wg), dy)
     assert all(torch.equal(a, b) for a, b in zip(fused, bwd(xg.detach(), wg.detach(), dy)))
-    os.environ["TITAN_FUSED_BACKWARD"] = "0"
-    try:
+    with rows.reference_backward():
         off = torch.autograd.grad(rows.kernel_with_reference_grad(kern, ref, xg, wg, backward=bwd), (xg, wg), dy)
-    finally:
-        del os.environ["TITAN_FUSED_BACKWARD"]
+    assert rows.fused_backward_on()
     assert all(torch.equal(a, b) for a, b in zip(off, torch.autograd.grad(ref(xg, wg), (xg, wg), dy)))
 
 

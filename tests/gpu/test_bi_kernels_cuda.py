@@ -210,10 +210,11 @@ def test_head_log_softmax_stats_equal_torch(V: int) -> None:
 
 
 def test_head_through_stats_kernel_equals_torch_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``token_logprobs_fused`` with the statistics kernel vs with torch's log-softmax (``TITAN_HEAD_LSE=torch``):
+    """``token_logprobs_fused`` with the statistics kernel vs with torch's log-softmax (``_lse_variant`` says None):
     the same logprob bits (BI and not) and the same gradient bits."""
     from titan_rl_ext.kernels.batch_invariant import batch_invariant
-    from titan_rl_ext.kernels.lm_head import HEAD_LSE_ENV, token_logprobs_fused
+    from titan_rl_ext.kernels import lm_head
+    from titan_rl_ext.kernels.lm_head import token_logprobs_fused
 
     g = torch.Generator(device=DEV).manual_seed(7)
     D, V, T = 1024, 151936, 768
@@ -231,9 +232,9 @@ def test_head_through_stats_kernel_equals_torch_log_softmax(monkeypatch: pytest.
 
     for bi_on in (True, False):
         fast = run(bi_on)
-        monkeypatch.setenv(HEAD_LSE_ENV, "torch")
-        ref = run(bi_on)
-        monkeypatch.delenv(HEAD_LSE_ENV)
+        with monkeypatch.context() as m:
+            m.setattr(lm_head, "_lse_variant", lambda logits: None)
+            ref = run(bi_on)
         assert all(torch.equal(a, b) for a, b in zip(fast, ref)), bi_on
 
 

@@ -173,10 +173,10 @@ def test_silu_mul_and_grad_through_reference() -> None:
 def test_conv_backward_kernel_no_worse_than_the_reference_gradient() -> None:
     """The trainer's conv backward (``causal_conv1d`` with grad on CUDA: the backward kernel) at the 9B GDN
     conv width, packed sequences: dx and dw against float64, each at most as far as the torch reference's
-    gradient (``TITAN_FUSED_BACKWARD=0``, what the trainer ran before) plus half a bf16 ulp of slack."""
-    import os
+    gradient (``rows.reference_backward``, what the trainer ran before) plus half a bf16 ulp of slack."""
+    import contextlib
 
-    from titan_rl_ext.kernels import conv
+    from titan_rl_ext.kernels import conv, rows
 
     g = torch.Generator(device="cuda").manual_seed(5)
     C, W = 8192, 4
@@ -186,15 +186,12 @@ def test_conv_backward_kernel_no_worse_than_the_reference_gradient() -> None:
     w = (torch.randn(C, W, device="cuda", generator=g) * 0.5).bfloat16()
     dy = torch.randn(T, C, device="cuda", generator=g).bfloat16()
     grads = {}
-    for path in ("1", "0"):
-        os.environ["TITAN_FUSED_BACKWARD"] = path
-        try:
+    for path, ctx in (("1", contextlib.nullcontext), ("0", rows.reference_backward)):
+        with ctx():
             x = wide[:, 1024 : 1024 + C].detach().requires_grad_(True)  # a column slice, as the GDN hands it over
             ww = w.detach().requires_grad_(True)
             y, _ = conv.causal_conv1d(x, ww, cu)
             grads[path] = torch.autograd.grad(y, (x, ww), dy)
-        finally:
-            os.environ.pop("TITAN_FUSED_BACKWARD", None)
     x64 = wide[:, 1024 : 1024 + C].double().requires_grad_(True)
     w64 = w.double().requires_grad_(True)
     y64, _ = conv.causal_conv1d_torch(x64, w64, cu.long())
@@ -210,7 +207,7 @@ def test_row_backward_kernels_no_worse_than_the_reference_gradient(name: str) ->
     """The norms', SwiGLU's and the output gate's backward kernels at the 9B slice's widths (hidden 4096, GDN heads
     128, MLP 12288, attention heads 256),
     bf16 rows as the layers hand them over: each gradient against float64 at most as far as the bf16 reference's
-    gradient (``TITAN_FUSED_BACKWARD=0``, what the trainer ran before) plus half a bf16 ulp of the largest entry."""
+    gradient (what the trainer ran before the backward kernels) plus half a bf16 ulp of the largest entry."""
     from row_grad_cases import reference_grads, row_grad_cases
 
     g = torch.Generator(device="cuda").manual_seed(11)

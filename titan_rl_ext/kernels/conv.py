@@ -184,7 +184,7 @@ def causal_conv1d(
 ) -> tuple[Any, torch.Tensor]:
     """The model's conv: one Triton launch (plus one for the states) on CUDA, ``causal_conv1d_torch``
     elsewhere. Differentiable on both: on CUDA without initial state or bias (training) by the backward kernel
-    (``TITAN_FUSED_BACKWARD=0``: by ``causal_conv1d_torch``'s gradient at the same inputs, as otherwise).
+    (in ``rows.reference_backward``: by ``causal_conv1d_torch``'s gradient at the same inputs, as otherwise).
 
     ``state_slots [N]``: ``initial_state`` is an engine's conv cache ``[S, W-1, C]``; sequence n starts from cache
     row ``state_slots[n]`` (zeros where ``state_keep[n]`` is false), its final state is written back there, and

@@ -15,7 +15,7 @@ Those bits pin the forward to materialising the fp32 logits (a tiled online soft
 from the sampler's). On CUDA the log-softmax itself is not written: ``log_softmax_triton`` computes each row's
 max and log-sum-exp in the order of torch's kernel and the target column with torch's epilogue (two reads of
 the logits, against torch's three reads and a ``[T, V]`` fp32 write), checked against ``torch.log_softmax`` on
-a probe once per device and vocabulary (``TITAN_HEAD_LSE=torch``, or a probe that differs: torch's kernel).
+a probe once per device and vocabulary (a probe that differs: torch's kernel).
 The backward reuses what the forward wrote: the logits (or, on torch's path, the log-softmax) are kept (up to
 ``SAVE_BYTES``, ``TITAN_HEAD_SAVE_GB``) and the backward forms ``g * (onehot - exp(lp))`` from them in one pass
 (``lm_head_triton`` on CUDA, under the fused-kernel switch of ``kernels.rows``), with no second logits GEMM: 2 of
@@ -29,23 +29,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from titan_rl_ext import settings
 from titan_rl_ext.kernels import batch_invariant as bi
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 30  # fp32 logits per chunk (on torch's path as much again for its log-softmax)
-SAVE_BYTES = int(float(os.environ.get("TITAN_HEAD_SAVE_GB", "8")) * (1 << 30))
+SAVE_BYTES = settings.HEAD_SAVE_GB.get()
 """fp32 logits (or, on torch's path, log-softmax) the forward keeps for the backward (per call); 0: always
 recompute the logits."""
 _LOW = (torch.bfloat16, torch.float16)
-HEAD_LSE_ENV = "TITAN_HEAD_LSE"
-"""``torch``: the head's log-softmax through ``torch.log_softmax`` even where the project's kernel replicates it."""
 
 
 class LogitRows(NamedTuple):
@@ -95,7 +93,7 @@ def _lse_variant(logits: torch.Tensor) -> dict[str, bool] | None:
     (torch's kernel)."""
     from titan_rl_ext.kernels.rows import fused_available
 
-    if os.environ.get(HEAD_LSE_ENV, "") == "torch" or not fused_available(logits):
+    if not fused_available(logits):
         return None
     from titan_rl_ext.kernels.log_softmax import replicates
 

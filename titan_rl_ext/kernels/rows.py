@@ -14,16 +14,17 @@ references on CUDA (a debugging switch: both sides of a run must use the same se
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from titan_rl_ext import settings
 from titan_rl_ext.kernels import ops
 
-FUSED_ENV = "TITAN_FUSED_KERNELS"
+FUSED_ENV = settings.FUSED_KERNELS.name
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,17 +122,29 @@ def _kernels() -> Any:
 
 
 def fused_switched_on() -> bool:
-    """``TITAN_FUSED_KERNELS`` is not "0" (the one switch for every fused layer kernel, the conv's too)."""
-    return os.environ.get(FUSED_ENV, "1") != "0"
+    """``TITAN_FUSED_KERNELS`` is on (``settings.FUSED_KERNELS``: the one switch for every fused layer kernel, the conv's too)."""
+    return settings.FUSED_KERNELS.get()
 
 
-FUSED_BACKWARD_ENV = "TITAN_FUSED_BACKWARD"
+_fused_backward = True
 
 
 def fused_backward_on() -> bool:
-    """``TITAN_FUSED_BACKWARD`` is not "0": the fused kernels that have a backward kernel of their own use it; "0"
-    differentiates their torch reference instead (the path before those kernels, kept to measure against)."""
-    return os.environ.get(FUSED_BACKWARD_ENV, "1") != "0"
+    """Whether the fused kernels that have a backward kernel of their own use it: always, outside
+    ``reference_backward``."""
+    return _fused_backward
+
+
+@contextlib.contextmanager
+def reference_backward() -> Iterator[None]:
+    """Within the block, the fused kernels differentiate their torch references instead of running their backward
+    kernels: the path the kernels are measured against (benchmarks, tests), not a setting of a run."""
+    global _fused_backward
+    before, _fused_backward = _fused_backward, False
+    try:
+        yield
+    finally:
+        _fused_backward = before
 
 
 def fused_available(*ts: torch.Tensor | None) -> bool:
@@ -173,7 +186,7 @@ def kernel_with_reference_grad(
     backward: Callable[..., Any] | None = None,
 ) -> Any:
     """``kernel(*inputs)``, differentiable when any input requires grad: by ``backward`` (a backward kernel,
-    ``TITAN_FUSED_BACKWARD`` permitting) or else through ``reference``."""
+    outside ``reference_backward``) or else through ``reference``."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         return _KernelForwardReferenceBackward.apply(kernel, reference, backward, *inputs)
     return kernel(*inputs)
@@ -210,7 +223,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 class _AddRMSNorm(torch.autograd.Function):
     """``(s, y) = (x + h, rms_norm(x + h))`` by the kernel; saves the sum (not both addends: one activation per
-    add, as the unfused norm saved). Backward: the norm's backward kernel at ``s`` (``TITAN_FUSED_BACKWARD=0``:
+    add, as the unfused norm saved). Backward: the norm's backward kernel at ``s`` (in ``reference_backward``:
     the reference's gradient there), plus the sum's own gradient, to both addends."""
 
     @staticmethod

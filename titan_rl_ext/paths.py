@@ -4,9 +4,10 @@ environments below them both read it without importing each other."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from titan_rl_ext import settings
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TITAN_RL_CACHE", Path.home() / ".cache" / "vllm-titan"))
+    return settings.RL_CACHE.get()

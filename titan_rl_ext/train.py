@@ -14,8 +14,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    from titan_rl_ext import settings
     from titan_rl_ext.compat import patch_torchtitan
 
+    settings.check("trainer")  # a bad TITAN_* value stops the run here, not steps into it
     patch_torchtitan()
     import torchtitan.train
 

@@ -22,12 +22,12 @@ step.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from titan_rl_ext import settings
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.attention import attention_bi
 from titan_rl_ext.models.common.attention import KVState
@@ -36,7 +36,7 @@ from vllm_titan_plugin import checks, compat
 
 # "titan" (default): steps with a prefill run the project's attention kernel where vLLM's backend is TRITON_ATTN;
 # "vllm": vLLM's backend runs every non-BI step (checked at start-up: checks.prefill_attention_problem)
-PREFILL_ENV = checks.PREFILL_ATTENTION_ENV
+PREFILL_ENV = settings.PREFILL_ATTENTION.name
 
 
 class VllmAttentionKernel(nn.Module):
@@ -92,7 +92,7 @@ class VllmAttentionKernel(nn.Module):
         prefill (``max_query_len > 1``, a host-side value of the metadata), on CUDA with triton, where the
         backend is vLLM's Triton kernel and the cache holds the activations' dtype; not with
         ``TITAN_PREFILL_ATTENTION=vllm``."""
-        if os.environ.get(PREFILL_ENV, "titan") == "vllm" or not q_TNH.is_cuda or bi._triton() is None:
+        if settings.PREFILL_ATTENTION.get() == "vllm" or not q_TNH.is_cuda or bi._triton() is None:
             return False
         backend = getattr(self.attn, "attn_backend", None)
         name = backend.get_name() if hasattr(backend, "get_name") else ""

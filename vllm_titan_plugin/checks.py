@@ -7,9 +7,9 @@ start-up (an error there stops the engine before it accepts traffic); the batch-
 
 from __future__ import annotations
 
-import os
-
 from typing import Any
+
+from titan_rl_ext import settings
 
 
 def kv_cache_dtype_problem(vllm_config: Any) -> str | None:
@@ -46,30 +46,27 @@ def batch_invariance_problem(vllm_config: Any) -> str | None:
     return kv_cache_dtype_problem(vllm_config) or attention_group_problem(vllm_config)
 
 
+def _settings_problem(*chosen: settings.Setting) -> str | None:
+    found = [p for p in (s.problem() for s in chosen) if p is not None]
+    return f"--model-impl titan: {'; '.join(found)}" if found else None
+
+
 def gdn_recurrent_kernel_problem() -> str | None:
     """``TITAN_GDN_RECURRENT`` names the kernel of every recurrent GDN forward, ``TITAN_GDN_MIXED_STEPS`` how
     mixed steps run it; a typo would otherwise raise inside the first GDN forward of the first request."""
-    from titan_rl_ext.kernels.gdn import mixed_steps, recurrent_kernel
-
-    try:
-        recurrent_kernel()
-        mixed_steps()
-    except ValueError as e:
-        return f"--model-impl titan: {e}"
-    return None
-
-
-PREFILL_ATTENTION_ENV = "TITAN_PREFILL_ATTENTION"
-PREFILL_ATTENTION_CHOICES = ("titan", "vllm")
+    return _settings_problem(settings.GDN_RECURRENT, settings.GDN_MIXED_STEPS)
 
 
 def prefill_attention_problem() -> str | None:
     """``TITAN_PREFILL_ATTENTION`` picks the attention kernel of non-BI prefill steps (``vllm_titan_plugin.attention``);
-    an unknown value would otherwise go unnoticed (read as the default)."""
-    value = os.environ.get(PREFILL_ATTENTION_ENV, "titan")
-    if value in PREFILL_ATTENTION_CHOICES:
-        return None
-    return f"--model-impl titan: {PREFILL_ATTENTION_ENV}={value!r}: expected one of {', '.join(PREFILL_ATTENTION_CHOICES)}"
+    an unknown value would otherwise raise inside the first prefill."""
+    return _settings_problem(settings.PREFILL_ATTENTION)
+
+
+def settings_problem() -> str | None:
+    """Every setting the plugin's processes read (``titan_rl_ext.settings``, side ``plugin`` or ``both``), so that
+    a typo stops start-up instead of surfacing in a request or being read as something else."""
+    return _settings_problem(*(s for s in settings.SETTINGS.values() if s.side in ("plugin", "both")))
 
 
 def attention_head_size_problem(backend: Any, head_size: int) -> str | None:

@@ -72,9 +72,8 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
             raise NotImplementedError("--model-impl titan does not support prompt embeddings")
         if bi.is_batch_invariant() and (problem := checks.batch_invariance_problem(vllm_config)) is not None:
             raise ValueError(problem)
-        for problem in (checks.gdn_recurrent_kernel_problem(), checks.prefill_attention_problem()):
-            if problem is not None:
-                raise ValueError(problem)
+        if (problem := checks.settings_problem()) is not None:  # a bad TITAN_* value, before any request
+            raise ValueError(problem)
 
     def _install_vllm_layers(self, vllm_config: compat.VllmConfig, model_prefix: str) -> None:
         cache_config = vllm_config.cache_config

@@ -30,13 +30,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from titan_rl_ext import settings
+
 ROW_TILE = 32
 PAD = 64
 
 # Engine workers (vLLM spawns them) read the switch from the environment; the trainer may also set it
 # in code. Every process of a run must agree.
-ENV_VAR = "TITAN_BATCH_INVARIANT"
-_enabled = os.environ.get(ENV_VAR, "0").lower() in ("1", "true", "yes")
+ENV_VAR = settings.BATCH_INVARIANT.name
+_enabled = settings.BATCH_INVARIANT.get()
 
 
 def _pin_fp32() -> None:

@@ -18,11 +18,12 @@ Two torch implementations:
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+
+from titan_rl_ext import settings
 
 GDNMode = Literal["chunk", "recurrent"]
 
@@ -226,7 +227,7 @@ def _fla_gated_delta_rule(
     return o.squeeze(0), final
 
 
-FLA_CHUNK_BWD_ENV = "TITAN_FLA_CHUNK_BWD"
+FLA_CHUNK_BWD_ENV = settings.FLA_CHUNK_BWD.name
 _guard_overridden = False
 
 
@@ -238,7 +239,7 @@ def allow_fla_chunk_backward() -> str:
     keeps the guard (then BI mode differentiates the torch chunked form, and non-BI training raises).
     The guard reads module globals at call time, so setting the flag on that module is enough."""
     global _guard_overridden
-    if os.environ.get(FLA_CHUNK_BWD_ENV, "1") == "0":
+    if not settings.FLA_CHUNK_BWD.get():
         return "kept (TITAN_FLA_CHUNK_BWD=0)"
     co, status = fla_chunk_guard()
     if status == "active":
@@ -262,7 +263,7 @@ def fla_chunk_guard() -> tuple[Any, str]:
 
 
 def fla_chunk_backward_allowed() -> bool:
-    return os.environ.get(FLA_CHUNK_BWD_ENV, "1") != "0" and fla_available()
+    return settings.FLA_CHUNK_BWD.get() and fla_available()
 
 
 def fla_available() -> bool:
@@ -273,26 +274,17 @@ def fla_available() -> bool:
     return True
 
 
-RECURRENT_ENV = "TITAN_GDN_RECURRENT"
-RECURRENT_KERNELS = ("fla", "titan")
-# titan since session 31: through vLLM 0.26 with full decode graphs, trainer vs generator logprobs differ in 0 of
-# 512 tokens on the 9B and 35B-A3B shapes (H100, docs/benchmarks.md §15), and the kernel is 1.3-23x FLA's
-# fused_recurrent at train, prefill and decode sizes (benchmarks/results/gdn_recurrent*.json)
-RECURRENT_DEFAULT = "titan"
+RECURRENT_ENV = settings.GDN_RECURRENT.name
 
 
 def recurrent_kernel() -> str:
     """Which kernel runs recurrent forwards on CUDA (BI mode's forward everywhere, decode-sized non-BI calls):
     ``TITAN_GDN_RECURRENT`` = ``titan`` (default: ``kernels.gdn_triton``) or ``fla`` (FLA's ``fused_recurrent``).
     The two round differently, so the trainer and every generator of a run must name the same one."""
-    name = os.environ.get(RECURRENT_ENV, RECURRENT_DEFAULT)
-    if name not in RECURRENT_KERNELS:
-        raise ValueError(f"{RECURRENT_ENV}={name!r}: expected one of {', '.join(RECURRENT_KERNELS)}")
-    return name
+    return settings.GDN_RECURRENT.get()
 
 
-MIXED_STEPS_ENV = "TITAN_GDN_MIXED_STEPS"
-MIXED_STEPS_CHOICES = ("recurrent", "peel")
+MIXED_STEPS_ENV = settings.GDN_MIXED_STEPS.name
 
 
 def mixed_steps() -> str:
@@ -302,10 +294,7 @@ def mixed_steps() -> str:
     kernel and its prefills on FLA's chunk kernel; ``peel`` -- every such step peeled, as vLLM's own GDN layer
     does. Which is faster depends on the prefills' lengths: the serial kernel walks the longest one token by
     token, the chunk kernel costs a fixed handful of launches."""
-    name = os.environ.get(MIXED_STEPS_ENV, "recurrent")
-    if name not in MIXED_STEPS_CHOICES:
-        raise ValueError(f"{MIXED_STEPS_ENV}={name!r}: expected one of {', '.join(MIXED_STEPS_CHOICES)}")
-    return name
+    return settings.GDN_MIXED_STEPS.get()
 
 
 def runs_titan_recurrent(q: torch.Tensor, n_seqs: int, mode: GDNMode, needs_grad: bool) -> bool:

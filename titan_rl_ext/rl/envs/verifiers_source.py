@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titan_rl_ext import settings
 from titan_rl_ext.rl.generator_client import Generator
 from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION, Sample, SamplingConfig
 
@@ -37,8 +38,8 @@ RUNNER = Path(__file__).resolve().parent / "verifiers_runner.py"
 def default_python() -> str:
     """The Python that runs verifiers: ``TITAN_VERIFIERS_PYTHON``, else the repo's ``.venv-verifiers`` (made by
     ``scripts/setup.sh``) when present, else this interpreter (verifiers installed alongside)."""
-    if env := os.environ.get("TITAN_VERIFIERS_PYTHON"):
-        return env
+    if settings.VERIFIERS_PYTHON.is_set():
+        return settings.VERIFIERS_PYTHON.get()
     repo_venv = Path(__file__).resolve().parents[3] / ".venv-verifiers" / "bin" / "python"
     return str(repo_venv) if repo_venv.exists() else sys.executable
 

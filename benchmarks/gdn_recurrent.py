@@ -17,8 +17,7 @@ v/beta bf16, g fp32):
 Variants:
   fla_rec     FLA fused_recurrent (BV 8, one warp)   -- what BI runs today (TITAN_GDN_RECURRENT=fla)
   fla_chunk   FLA chunk                               -- the non-BI forward, the speed to aim at
-  titan[...]  kernels.gdn_triton at each config: BV, warps, merged step (m) or FLA's order (s), tokens loaded
-              ahead (p: one, pp: two)
+  titan[...]  kernels.gdn_triton at each config: BV, warps
   titan_prep  the default config with the l2norm and gates fused in (raw q/k/a/b), against
               rows.l2norm x2 + rows.gdn_gates + the kernel (titan_unfused), one layer's preparation included
   fla_gather / titan_gather / titan_slots  (workloads with states) the call as the vLLM wrapper makes it, from an
@@ -28,7 +27,6 @@ Variants:
 Checks, each titan config on the GPU (a config whose bits break is reported and not a candidate):
   split_decode_equal   one 300-token call == a 100/150 split prefill + 50 one-token decode calls (o and state)
   alone_equal          a sequence alone == its rows in the packed train batch
-  prefetch_equal       this prefetch depth == no prefetch (same arithmetic)
   max_err_vs_f64       |o - o_f64| max over the train batch, f64 = the torch chunked form in float64
                        (FLA's recurrent reported beside it)
 Throughput floor: the state is read and written once per sequence; the inputs once per token -- at the train
@@ -106,17 +104,13 @@ def configs(smoke: bool) -> list[Any]:
     from titan_rl_ext.kernels.gdn_triton import CONFIG, RecurrentConfig
 
     if smoke:
-        return [CONFIG, RecurrentConfig(merged=False), RecurrentConfig(BV=4, prefetch=False)]
-    grid = [RecurrentConfig(BV=8, num_warps=1, merged=m, prefetch=p) for m in (True, False) for p in (1, 0)]
-    grid += [RecurrentConfig(BV=bv, num_warps=w) for bv, w in ((4, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4),
-                                                                (8, 2), (64, 4), (128, 4))]
-    # two tokens ahead: whether the token chain waits on memory (session 29r; same bits by construction)
-    grid += [RecurrentConfig(BV=bv, num_warps=w, prefetch=2) for bv, w in ((8, 1), (16, 1), (32, 1), (32, 2))]
-    return grid
+        return [CONFIG, RecurrentConfig(BV=4)]
+    layouts = ((8, 1), (4, 1), (16, 1), (16, 2), (32, 2), (32, 4), (8, 2), (64, 4), (128, 4))
+    return [CONFIG, *(RecurrentConfig(BV=bv, num_warps=w) for bv, w in layouts)]
 
 
 def name_of(cfg: Any) -> str:
-    return f"titan[bv{cfg.BV} w{cfg.num_warps} {'m' if cfg.merged else 's'}{'p' * int(cfg.prefetch)}]"
+    return f"titan[bv{cfg.BV} w{cfg.num_warps}]"
 
 
 def run_titan(x: dict[str, Any], cfg: Any, fused_prep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +133,6 @@ def run_unfused(x: dict[str, Any], cfg: Any) -> tuple[torch.Tensor, torch.Tensor
 
 def bit_checks(cfg: Any, train: dict[str, Any], H: int, HV: int, K: int, V: int, dev: torch.device,
                n: int = 300) -> dict[str, Any]:
-    import dataclasses
-
     from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent as rec
 
     x = make_inputs([n], H, HV, K, V, dev, state=True, seed=7)
@@ -153,14 +145,11 @@ def bit_checks(cfg: Any, train: dict[str, Any], H: int, HV: int, K: int, V: int,
         o, state = rec(*args(a, b), one(b - a), x["scale"], state, config=cfg)
         outs.append(o)
     split_ok = torch.equal(torch.cat(outs), o_all) and torch.equal(state, s_all)
-    o_np, s_np = rec(*args(0, n), x["cu"], x["scale"], x["s0"], config=dataclasses.replace(cfg, prefetch=0 if cfg.prefetch else 1))
-    prefetch_ok = torch.equal(o_np, o_all) and torch.equal(s_np, s_all)
     o_pack, _ = run_titan(train, cfg)
     c = train["cu"].tolist()
     alone, _ = rec(*(train[nm][c[1]:c[2]] for nm in ("q", "k", "v", "g", "beta")), one(c[2] - c[1]), train["scale"],
                    None, config=cfg)
-    return {"split_decode_equal": split_ok, "prefetch_equal": prefetch_ok,
-            "alone_equal": torch.equal(alone, o_pack[c[1]:c[2]])}
+    return {"split_decode_equal": split_ok, "alone_equal": torch.equal(alone, o_pack[c[1]:c[2]])}
 
 
 def main() -> int:

@@ -58,8 +58,7 @@ def _check_values() -> None:
     from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
 
     cases = [(gt.CONFIG, dtype, with_state) for dtype in (torch.float32, torch.bfloat16) for with_state in (True, False)]
-    cases += [(gt.RecurrentConfig(merged=False), torch.float32, True), (gt.RecurrentConfig(BV=4, prefetch=False),
-                                                                         torch.bfloat16, True),
+    cases += [(gt.RecurrentConfig(BV=4), torch.bfloat16, True),
               (gt.RecurrentConfig(BV=8), torch.float32, True)]  # several value blocks (the default's BV spans V)
     for cfg, dtype, with_state in cases:
         q, k, v, g, beta, s0, cu = _inputs([5, 0, 9, 1], dtype)
@@ -84,7 +83,8 @@ def _check_splits_and_decode() -> None:
     q, k, v, g, beta, s0, cu = _inputs([11], torch.bfloat16, seed=1)
     scale = K**-0.5
     o_all, s_all = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0)
-    for cuts in ([4], [1, 2, 7], list(range(1, 11))):  # a split prefill, then one token per call (decode)
+    # a split prefill, then one token per call (decode: the tokens loaded two ahead lie past the sequence)
+    for cuts in ([4], [1, 2, 7], list(range(1, 11))):
         bounds = [0, *cuts, 11]
         state, outs = s0, []
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -93,19 +93,6 @@ def _check_splits_and_decode() -> None:
             outs.append(o)
         assert torch.equal(torch.cat(outs), o_all), cuts
         assert torch.equal(state, s_all), cuts
-    # prefetch off / one / two tokens ahead: the same arithmetic (the last also over one-token calls, where the
-    # tokens two ahead lie past the sequence)
-    for depth in (0, 2):
-        o_np, s_np = gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, scale, s0,
-                                                   config=gt.RecurrentConfig(prefetch=depth))
-        assert torch.equal(o_np, o_all) and torch.equal(s_np, s_all), depth
-    state, outs = s0, []
-    for a in range(11):
-        one = torch.tensor([0, 1], dtype=torch.int32)
-        o, state = gt.gated_delta_rule_recurrent(q[a:a + 1], k[a:a + 1], v[a:a + 1], g[a:a + 1], beta[a:a + 1], one,
-                                                 scale, state, config=gt.RecurrentConfig(prefetch=2))
-        outs.append(o)
-    assert torch.equal(torch.cat(outs), o_all) and torch.equal(state, s_all)
 
 
 def _check_batch_invariance_and_views() -> None:

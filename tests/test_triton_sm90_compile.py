@@ -56,8 +56,7 @@ def test_head_grad_kernel_from_logits_and_from_log_softmax() -> None:
         _cubin(launch)
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_gdn_recurrent_kernel_prefetch_depths(prefetch: int) -> None:
+def test_gdn_recurrent_kernel() -> None:
     from titan_rl_ext.kernels import gdn_triton as gt
 
     T, H, HV, K, V = 6, 2, 4, 128, 128
@@ -65,8 +64,7 @@ def test_gdn_recurrent_kernel_prefetch_depths(prefetch: int) -> None:
     v, g, beta = torch.randn(T, HV, V).bfloat16(), torch.randn(T, HV), torch.rand(T, HV).bfloat16()
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     with record_launches(gt._gdn_recurrent_kernel) as launches:
-        gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, K**-0.5, config=gt.RecurrentConfig(prefetch=prefetch))
-    assert launches[0].args["PREFETCH"] == prefetch
+        gt.gated_delta_rule_recurrent(q, k, v, g, beta, cu, K**-0.5)
     _cubin(launches[0])
 
 

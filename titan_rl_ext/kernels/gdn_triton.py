@@ -15,9 +15,8 @@ the state block ``S [K, BV]`` in registers and
 
 which is the rule of ``kernels.gdn`` rearranged: ``(dS)^T k = d S^T k`` and ``(dS + k delta^T)^T q = d S^T
 q + (k . q) delta``. The arithmetic differs from the token-by-token reference by rounding only (tests
-state the tolerance). With ``PREFETCH`` = n the q, k, v, g and beta of the token n steps ahead are loaded
-before the current token is computed, so their latency hides behind n steps of work (the loads return the
-same values whatever n: the bits do not depend on it).
+state the tolerance). The q, k, v, g and beta of the token two steps ahead are loaded before the current token
+is computed, so their latency hides behind two steps of work (loads: the bits do not depend on it).
 
 Batch invariance and prefill/decode bit equality: the per-token work depends on the constexprs (``BV``,
 ``BK``, ``num_warps``, the flags) and on nothing else: not T, not the number of sequences, not where a
@@ -51,11 +50,6 @@ class RecurrentConfig:
     # 4.1 ms vs 7.6 at BV 8 and 10.1 for FLA's recurrent kernel; decode B = 256 0.27 vs 0.37 and 0.44 ms)
     BV: int = 32
     num_warps: int = 1
-    # tokens loaded ahead of the one computed: 0, 1 or 2 (speed only: the same bits, checked on the GPU). 2 on
-    # the H100 (benchmarks/results/gdn_recurrent_h100.json): train 2.11 vs 2.48 ms at 1, prefill 3.93 vs 4.13,
-    # decode B = 1 / 256 the same
-    prefetch: int = 2
-    merged: bool = True  # the rearranged step above; False: FLA's order (decay, k^T S, write, S^T q)
 
 
 CONFIG = RecurrentConfig()
@@ -88,7 +82,6 @@ def _gdn_recurrent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     NORM_QK: tl.constexpr, GATES: tl.constexpr, BETA_DTYPE: tl.constexpr, SLOTS: tl.constexpr, KEEP: tl.constexpr,
-    MERGED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
@@ -124,28 +117,19 @@ def _gdn_recurrent_kernel(
         a_log = tl.load(alog_ptr + i_hv).to(tl.float32)
         dt_bias = tl.load(dtb_ptr + i_hv).to(tl.float32)
 
-    # the inputs of the tokens PREFETCH steps ahead, loaded before the current one is computed; indices are
-    # clamped into [0, T) and past a sequence's end onto its last row, so every load is in bounds and a
-    # token loaded beyond the end is never used
-    if PREFETCH >= 1:
-        nq, nk, nv, ng, nb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos, T - 1), sq_t, sk_t, sv_t, sg_t, sb_t,
-                                         mask_k, mask_v)
-    if PREFETCH >= 2:
-        mq, mk, mv, mg, mb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos + 1, T - 1), sq_t, sk_t, sv_t, sg_t,
-                                         sb_t, mask_k, mask_v)
+    # the inputs of the two tokens ahead, loaded before the current one is computed (two: the token chain no
+    # longer waits on memory at the train and prefill sizes, docs/benchmarks.md); indices are clamped into
+    # [0, T) and past a sequence's end onto its last row, so every load is in bounds and a token loaded beyond
+    # the end is never used
+    nq, nk, nv, ng, nb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos, T - 1), sq_t, sk_t, sv_t, sg_t, sb_t,
+                                     mask_k, mask_v)
+    mq, mk, mv, mg, mb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos + 1, T - 1), sq_t, sk_t, sv_t, sg_t,
+                                     sb_t, mask_k, mask_v)
     for t in range(bos, eos):
-        if PREFETCH >= 2:
-            b_q, b_k, b_v, b_g, b_b = nq, nk, nv, ng, nb
-            nq, nk, nv, ng, nb = mq, mk, mv, mg, mb
-            mq, mk, mv, mg, mb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(t + 2, eos - 1), sq_t, sk_t, sv_t,
-                                             sg_t, sb_t, mask_k, mask_v)
-        elif PREFETCH == 1:
-            b_q, b_k, b_v, b_g, b_b = nq, nk, nv, ng, nb
-            nq, nk, nv, ng, nb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(t + 1, eos - 1), sq_t, sk_t, sv_t,
-                                             sg_t, sb_t, mask_k, mask_v)
-        else:
-            b_q, b_k, b_v, b_g, b_b = _load_token(p_q, p_k, p_v, p_g, p_b, t, sq_t, sk_t, sv_t, sg_t, sb_t, mask_k,
-                                                  mask_v)
+        b_q, b_k, b_v, b_g, b_b = nq, nk, nv, ng, nb
+        nq, nk, nv, ng, nb = mq, mk, mv, mg, mb
+        mq, mk, mv, mg, mb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(t + 2, eos - 1), sq_t, sk_t, sv_t,
+                                         sg_t, sb_t, mask_k, mask_v)
         q = b_q.to(tl.float32)
         k = b_k.to(tl.float32)
         v = b_v.to(tl.float32)
@@ -159,18 +143,12 @@ def _gdn_recurrent_kernel(
             g = b_g.to(tl.float32)
             beta = b_b.to(tl.float32)
         d = tl.exp(g)
-        if MERGED:
-            kS = tl.sum(S * k[:, None], axis=0)
-            qS = tl.sum(S * q[:, None], axis=0)
-            kq = tl.sum(k * q, axis=0)
-            delta = beta * (v - d * kS)
-            o = d * qS + kq * delta
-            S = S * d + k[:, None] * delta[None, :]
-        else:
-            S = S * d
-            delta = beta * (v - tl.sum(S * k[:, None], axis=0))
-            S = S + k[:, None] * delta[None, :]
-            o = tl.sum(S * q[:, None], axis=0)
+        kS = tl.sum(S * k[:, None], axis=0)
+        qS = tl.sum(S * q[:, None], axis=0)
+        kq = tl.sum(k * q, axis=0)
+        delta = beta * (v - d * kS)
+        o = d * qS + kq * delta
+        S = S * d + k[:, None] * delta[None, :]
         tl.store(p_o + t * so_t, o.to(o_ptr.dtype.element_ty), mask=mask_v)
     tl.store(ht_ptr + slot * sht_n + p_s, S.to(ht_ptr.dtype.element_ty), mask=mask_s)
 
@@ -275,7 +253,6 @@ def gated_delta_rule_recurrent(
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         NORM_QK=norm_qk, GATES=gates, BETA_DTYPE=_TL_DTYPES[beta_TH.dtype],
         SLOTS=state_slots is not None, KEEP=state_keep is not None,
-        MERGED=cfg.merged, PREFETCH=int(cfg.prefetch),
         num_warps=cfg.num_warps,
     )
     return o, final

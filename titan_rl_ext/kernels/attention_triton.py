@@ -71,10 +71,17 @@ _MERGE_UNROLL = 8  # partials loaded per iteration of the fold (independent load
 @dataclass(frozen=True)
 class Launch:
     """How the kernel is launched, apart from what fixes the bits (``CONFIGS``, ``SPLIT``): software
-    prefetch of the next key block, pipelining stages (None: the tile table's), per path."""
+    prefetch of the next key block, pipelining stages (None: the tile table's), per path.
+
+    ``rows`` / ``warps`` (split path only; None: the tile table's) are candidates, not settings: a decode tile of
+    fewer rows wastes fewer tensor-core rows at GQA 4 (4 real rows of 64), but whether a smaller dot gives each row
+    the table's bits is a property of the GPU's matrix instructions, which only a check on the device can
+    answer (``benchmarks/bi_attention_long.py`` reports it per variant). Nothing ships one until it has."""
 
     prefetch: int = 0
     stages: int | None = None
+    rows: int | None = None
+    warps: int | None = None
 
 
 # Split-parallel decode programs only stream keys, with nothing else to hide a block's latency behind: they load
@@ -375,21 +382,24 @@ def bi_attention_fwd(
         return o
     block_d, bm, bn, warps, stages = config_for(H)
     gqa = N // n_kv
-    qpt = bm // gqa
+    how_split = launch or LAUNCH["split"]
+    split_rows = how_split.rows or bm
     max_splits = triton.cdiv(max(max_keys, 1), SPLIT)
     if split_programs_override is not None:
         n_progs = max(1, min(int(split_programs_override), max_splits))
     else:
         n_progs = split_programs(S, n_kv, max_splits, q_TNH.device)
-    split_out = max_q <= qpt and n_progs > 1 and T * N * max_splits * (block_d + 2) * 4 <= _WORKSPACE_CAP
+    split_out = (max_q * gqa <= split_rows and n_progs > 1
+                 and T * N * max_splits * (block_d + 2) * 4 <= _WORKSPACE_CAP)
     if split_out:
         ws_acc = torch.empty(T * N * max_splits, block_d, dtype=torch.float32, device=q_TNH.device)
         ws_ml = torch.empty(T * N * max_splits, 2, dtype=torch.float32, device=q_TNH.device)
         grid = (n_progs, S, n_kv)
+        how, bm, warps = how_split, split_rows, how_split.warps or warps
     else:
         ws_acc = ws_ml = o  # unused pointer arguments still need a tensor
-        grid = (triton.cdiv(max_q, qpt), S, n_kv)
-    how = launch or LAUNCH["split" if split_out else "tile"]
+        grid = (triton.cdiv(max_q, bm // gqa), S, n_kv)
+        how = launch or LAUNCH["tile"]
     dummy = cu_q
     common = dict(N_HEADS=N, GQA=gqa, HEAD_DIM=H, BLOCK_D=block_d, SPLIT=SPLIT)
     # no contraction of a*b + c into fma: the fold must round alike in both kernels (see the module doc)

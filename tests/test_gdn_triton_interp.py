@@ -191,6 +191,7 @@ def _check_cached_state_rule_kernel() -> None:
     from titan_rl_ext.kernels import batch_invariant as bi
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.models.qwen3_5 import gdn as layer
+    from vllm_titan_plugin import gdn_slots
 
     lens = [4, 2, 3]
     q, k, v, g, beta, _, cu = _inputs(lens, torch.bfloat16, seed=8)
@@ -198,11 +199,11 @@ def _check_cached_state_rule_kernel() -> None:
     cache0 = torch.randn(5, HV, K, V) * 0.1
     slots = torch.tensor([3, 1, 4])
     keep = torch.tensor([True, True, False])
-    kern = layer.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
+    kern = gdn_slots.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
     results = {}
-    forced = layer.runs_titan_recurrent
+    forced = gdn_slots.runs_titan_recurrent
     for path in ("in_place", "gather"):
-        layer.runs_titan_recurrent = (lambda *a: True) if path == "in_place" else (lambda *a: False)
+        gdn_slots.runs_titan_recurrent = (lambda *a: True) if path == "in_place" else (lambda *a: False)
         cache = cache0.clone()
         kern.bind(slots, keep)
         try:
@@ -210,7 +211,7 @@ def _check_cached_state_rule_kernel() -> None:
                 o, s = kern(q, k, v, g, beta, seq, K**-0.5, cache)
         finally:
             kern.unbind()
-            layer.runs_titan_recurrent = forced
+            gdn_slots.runs_titan_recurrent = forced
         if path == "in_place":
             assert s is cache and torch.equal(cache[[0, 2]], cache0[[0, 2]])
             s = cache[slots]
@@ -237,6 +238,7 @@ def _check_mixed_step_peels_decodes() -> None:
     from titan_rl_ext.kernels import batch_invariant as bi
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.models.qwen3_5 import gdn as layer
+    from vllm_titan_plugin import gdn_slots
 
     class Spy(layer.GatedDeltaRuleKernel):
         def forward(self, *args, chunk_indices=None, **kw):  # type: ignore[no-untyped-def]
@@ -253,9 +255,9 @@ def _check_mixed_step_peels_decodes() -> None:
     chunk_idx = torch.tensor([[0, 0], [1, 0]], dtype=torch.int32)  # the prefills' chunks, as vLLM's builder makes
     base = Spy("chunk")
     base.seen = []
-    kern = layer.CachedStateRuleKernel(base)
-    forced = layer.runs_titan_recurrent
-    layer.runs_titan_recurrent = lambda q, n, mode, needs_grad: q.shape[0] <= 2 * n  # as on CUDA, non-BI
+    kern = gdn_slots.CachedStateRuleKernel(base)
+    forced = gdn_slots.runs_titan_recurrent
+    gdn_slots.runs_titan_recurrent = lambda q, n, mode, needs_grad: q.shape[0] <= 2 * n  # as on CUDA, non-BI
     try:
         cache = cache0.clone()
         kern.bind(slots, keep, n_decodes=nd, chunk_indices=chunk_idx)
@@ -271,7 +273,7 @@ def _check_mixed_step_peels_decodes() -> None:
         base.seen.clear()
         ref_cache = cache0.clone()
         kern.bind(slots, keep, n_decodes=nd, chunk_indices=chunk_idx)
-        layer.runs_titan_recurrent = lambda *a: False  # no project kernel: nothing to peel onto
+        gdn_slots.runs_titan_recurrent = lambda *a: False  # no project kernel: nothing to peel onto
         try:
             assert not kern._peels_decodes(q, v, ref_cache)
             o_ref, s_ref = kern(q, k, v, g, beta, seq, K**-0.5, ref_cache)
@@ -279,7 +281,7 @@ def _check_mixed_step_peels_decodes() -> None:
             kern.unbind()
         assert base.seen == [(17, None)] and torch.equal(ref_cache, cache0) and s_ref.shape == (5, HV, K, V)
     finally:
-        layer.runs_titan_recurrent = forced
+        gdn_slots.runs_titan_recurrent = forced
     # fp32 states through two forms of one recurrence (a step of the recurrent kernel vs the chunked WY form)
     torch.testing.assert_close(cache[slots], s_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=2 * 2.0**-7, atol=1e-3)  # bf16 outputs
@@ -289,9 +291,9 @@ def _check_mixed_step_peels_decodes() -> None:
     # decode-only step, take them fused; a bad value is refused by name
     import os
 
-    short = layer.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
+    short = gdn_slots.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
     qs, vs = q[:5], v[:5]  # three decodes and a 2-token prefill
-    layer.runs_titan_recurrent = lambda q, n, mode, needs_grad: q.shape[0] <= 2 * n
+    gdn_slots.runs_titan_recurrent = lambda q, n, mode, needs_grad: q.shape[0] <= 2 * n
     try:
         short.bind(slots[:3], keep[:3])
         assert short.prep_in_kernel(qs[:3], vs[:3], cache)
@@ -310,7 +312,7 @@ def _check_mixed_step_peels_decodes() -> None:
     finally:
         os.environ.pop("TITAN_GDN_MIXED_STEPS", None)
         short.unbind()
-        layer.runs_titan_recurrent = forced
+        gdn_slots.runs_titan_recurrent = forced
 
 
 def _check_fused_prep() -> None:
@@ -365,11 +367,12 @@ def _check_layer_prep_in_kernel() -> None:
     from titan_rl_ext.kernels import batch_invariant as bi
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.models.qwen3_5 import gdn as layer
+    from vllm_titan_plugin import gdn_slots
 
     cfg = layer.GDNConfig(n_k_heads=H, n_v_heads=HV, k_head_dim=K, v_head_dim=V)
     torch.manual_seed(0)
     net = layer.GatedDeltaNet(32, cfg, 1e-6).bfloat16()
-    kern = layer.CachedStateRuleKernel(net.rule_kernel)
+    kern = gdn_slots.CachedStateRuleKernel(net.rule_kernel)
     net.rule_kernel = kern
     n = 3
     x = torch.randn(n, 32).bfloat16()
@@ -378,9 +381,9 @@ def _check_layer_prep_in_kernel() -> None:
     conv0 = (torch.randn(n, *cfg.conv_state_shape()) * 0.1).bfloat16()
     cache0 = torch.randn(5, HV, K, V) * 0.1
     slots, keep = torch.tensor([3, 1, 4]), torch.tensor([True, True, False])
-    forced, l2norm = layer.runs_titan_recurrent, layer.rows.l2norm
+    forced, l2norm = gdn_slots.runs_titan_recurrent, layer.rows.l2norm
     norms = []
-    layer.runs_titan_recurrent = lambda *a: True  # the dispatch asks for CUDA
+    gdn_slots.runs_titan_recurrent = lambda *a: True  # the dispatch asks for CUDA
     layer.rows.l2norm = lambda t, *a, **kw: norms.append(1) or l2norm(t, *a, **kw)
     try:
         results = {}
@@ -413,7 +416,7 @@ def _check_layer_prep_in_kernel() -> None:
         assert not kern.prep_in_kernel(q, v, cache0.transpose(2, 3))
         kern.unbind()
     finally:
-        layer.runs_titan_recurrent, layer.rows.l2norm = forced, l2norm
+        gdn_slots.runs_titan_recurrent, layer.rows.l2norm = forced, l2norm
 
 
 def _check_layer_on_engine_caches() -> None:
@@ -429,12 +432,13 @@ def _check_layer_on_engine_caches() -> None:
     from titan_rl_ext.kernels import gdn as gdn_kernels
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.models.qwen3_5 import gdn as layer
+    from vllm_titan_plugin import gdn_slots
 
     cfg = layer.GDNConfig(n_k_heads=H, n_v_heads=HV, k_head_dim=K, v_head_dim=V)
     torch.manual_seed(1)
     net = layer.GatedDeltaNet(32, cfg, 1e-6).bfloat16()
     plain = (net.conv_kernel, net.rule_kernel)
-    engine = (layer.CachedStateConvKernel(net.conv_kernel), layer.CachedStateRuleKernel(net.rule_kernel))
+    engine = (gdn_slots.CachedStateConvKernel(net.conv_kernel), gdn_slots.CachedStateRuleKernel(net.rule_kernel))
     lens = [3, 1, 2]  # a prefill chunk and decodes
     T = sum(lens)
     x = torch.randn(T, 32).bfloat16()
@@ -443,9 +447,9 @@ def _check_layer_on_engine_caches() -> None:
     conv0 = (torch.randn(6, *cfg.conv_state_shape()) * 0.5).bfloat16()
     ssm0 = torch.randn(6, HV, K, V) * 0.1
     slots, keep = torch.tensor([3, 1, 4]), torch.tensor([True, False, True])
-    forced = cv._on_kernel, layer.runs_titan_recurrent, gdn_kernels.runs_titan_recurrent
+    forced = cv._on_kernel, gdn_slots.runs_titan_recurrent, gdn_kernels.runs_titan_recurrent
     cv._on_kernel = lambda x: True
-    layer.runs_titan_recurrent = gdn_kernels.runs_titan_recurrent = lambda *a: True
+    gdn_slots.runs_titan_recurrent = gdn_kernels.runs_titan_recurrent = lambda *a: True
     try:
         with torch.no_grad(), bi.batch_invariant(True):
             net.conv_kernel, net.rule_kernel = engine
@@ -463,7 +467,7 @@ def _check_layer_on_engine_caches() -> None:
             gathered = layer.GDNState(torch.where(m, conv0[slots], 0).bfloat16(), torch.where(m[..., None], ssm0[slots], 0))
             y_ref, st_ref = net(x, seq, gathered)
     finally:
-        cv._on_kernel, layer.runs_titan_recurrent, gdn_kernels.runs_titan_recurrent = forced
+        cv._on_kernel, gdn_slots.runs_titan_recurrent, gdn_kernels.runs_titan_recurrent = forced
     assert torch.equal(y, y_ref)
     assert torch.equal(conv_cache[slots], st_ref.conv) and torch.equal(ssm_cache[slots], st_ref.ssm)
     rest = [0, 2, 5]

@@ -180,6 +180,7 @@ def test_gdn_qk_dtype_follows_the_kernel_that_reads_them(monkeypatch) -> None:
     recurrent kernel (in place on an engine's cache, or gathered), and for the torch references (CPU)."""
     from titan_rl_ext.kernels import batch_invariant as bi
     from titan_rl_ext.models.qwen3_5 import gdn as layer
+    from vllm_titan_plugin import gdn_slots
 
     q, v = torch.zeros(6, 2, 8), torch.zeros(6, 4, 8, dtype=torch.bfloat16)
     kern = layer.GatedDeltaRuleKernel("chunk")
@@ -192,7 +193,7 @@ def test_gdn_qk_dtype_follows_the_kernel_that_reads_them(monkeypatch) -> None:
                 assert kern.qk_dtype(q, v, 2, None) == want, resolved
         assert layer.GatedDeltaRuleKernel("chunk", backend="torch").qk_dtype(q, v, 2, None) == torch.float32
         monkeypatch.setattr(layer, "resolve_backend", lambda *a: "fla")
-        cached = layer.CachedStateRuleKernel(kern)
+        cached = gdn_slots.CachedStateRuleKernel(kern)
         cache = torch.zeros(5, 4, 8, 8)
         cached.bind(torch.tensor([3, 1]), None)
         monkeypatch.setattr(cached, "_in_place", lambda *a: True)

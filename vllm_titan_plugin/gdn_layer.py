@@ -17,10 +17,9 @@ import torch
 import torch.nn as nn
 
 from titan_rl_ext.models.common.batch import SeqBatch
-from titan_rl_ext.models.qwen3_5.gdn import (
-    CachedStateConvKernel, CachedStateRuleKernel, GatedDeltaNet, GDNConfig, GDNState,
-)
+from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet, GDNConfig, GDNState
 from vllm_titan_plugin import compat
+from vllm_titan_plugin.gdn_slots import CachedStateConvKernel, CachedStateRuleKernel
 
 # attribute under which the wrapper holds the titan layer (parameter names gain this segment)
 INNER = "layer"

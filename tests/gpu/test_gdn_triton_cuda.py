@@ -142,6 +142,7 @@ def test_mixed_step_peeled_decodes_as_close_as_one_chunk_call() -> None:
     from titan_rl_ext.kernels.gdn import chunk_gated_delta_rule_torch
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.models.qwen3_5 import gdn as layer
+    from vllm_titan_plugin import gdn_slots
 
     nd, lens = 64, [1] * 64 + [300, 77]
     q, k, v, g, beta, _, cu = _inputs(lens, seed=5)
@@ -152,7 +153,7 @@ def test_mixed_step_peeled_decodes_as_close_as_one_chunk_call() -> None:
     keep = torch.ones(len(lens), dtype=torch.bool, device="cuda")
     keep[-1] = False  # a new request in a recycled slot
     chunks = prepare_chunk_indices((cu[nd:] - nd).cpu(), 64).to(device="cuda", dtype=torch.int32)
-    kern = layer.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
+    kern = gdn_slots.CachedStateRuleKernel(layer.GatedDeltaRuleKernel("chunk"))
     cache = cache0.clone()
     kern.bind(slots, keep, n_decodes=nd, chunk_indices=chunks)
     try:

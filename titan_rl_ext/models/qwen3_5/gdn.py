@@ -2,7 +2,8 @@
 
 Math lives here; the two sequence kernels sit in slots (``conv_kernel``, ``rule_kernel``) so the
 trainer (packed sequences, no state) and an inference engine (conv/recurrent state carried across
-steps) run this same code. State in and out is a ``GDNState``: the engine decides where it lives.
+steps) run this same code. State in and out is a ``GDNState``: the engine decides where it lives (vLLM's
+state-cache kernels that fill the slots are the plugin's: ``vllm_titan_plugin.gdn_slots``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import torch.nn as nn
 
 from titan_rl_ext.kernels.conv import causal_conv1d
 from titan_rl_ext.kernels import batch_invariant as bi
-from titan_rl_ext.kernels.gdn import (
-    GDNMode, gated_delta_rule, gated_delta_rule_bi, mixed_steps, resolve_backend, runs_titan_recurrent,
-)
+from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi, resolve_backend
 from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
@@ -76,41 +75,6 @@ class CausalConvKernel(nn.Module):
         return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu", split=split)
 
 
-class _SlotBound(nn.Module):
-    """A sequence kernel of an engine that keeps every sequence's state in one cache indexed by slot: ``base``
-    (the layer's own kernel) plus this step's slots, which the engine ``bind`` s before the layer runs and
-    ``unbind`` s after."""
-
-    def __init__(self, base: nn.Module) -> None:
-        super().__init__()
-        self.base = base
-        self._slots: torch.Tensor | None = None
-        self._keep: torch.Tensor | None = None
-
-    def bind(self, slots: torch.Tensor, keep: torch.Tensor | None) -> None:
-        """This step's slot of each sequence ``[N]`` and whether it holds prior state ``[N]`` (None: all do)."""
-        self._slots, self._keep = slots, keep
-
-    def unbind(self) -> None:
-        self._slots = self._keep = None
-
-
-class CachedStateConvKernel(_SlotBound):
-    """The conv of an engine that keeps every sequence's conv state in one cache ``[S, W-1, C]`` indexed by slot.
-    Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer the cache
-    itself as ``state.conv``; the conv reads and writes the slots (in place where its kernel can) and returns
-    the cache as the new state. Unbound (a profiling run), ``base`` runs on the state given."""
-
-    def forward(
-        self, x_TC: torch.Tensor, weight_CW: torch.Tensor, batch: SeqBatch, state: torch.Tensor | None,
-        split: int | None = None,
-    ) -> tuple[Any, torch.Tensor]:
-        if self._slots is None or state is None:
-            return self.base(x_TC, weight_CW, batch, state, split)
-        return causal_conv1d(x_TC, weight_CW, batch.cu_seqlens, None, state, activation="silu",
-                             state_slots=self._slots, state_keep=self._keep, split=split)
-
-
 class GatedDeltaRuleKernel(nn.Module):
     """``mode``: ``chunk`` (fast prefill/training) or ``recurrent`` (token by token, the reference).
     Batch-invariant mode overrides it: recurrent forward everywhere, chunked backward."""
@@ -153,170 +117,6 @@ class GatedDeltaRuleKernel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, backend={self.backend}"
-
-
-class CachedStateRuleKernel(_SlotBound):
-    """The rule kernel of an engine that keeps every sequence's state in one cache ``[S, HV, K, V]`` indexed by
-    slot. Per step the engine ``bind`` s the slots (and which of them hold prior state) and hands the layer
-    the cache itself as ``state.ssm``. Where the project's recurrent kernel runs the call (``kernels.gdn``'s
-    ``runs_titan_recurrent``) it reads and writes the slots in place and returns the cache as the new state;
-    otherwise the slots are gathered (zeros where there is no prior state), ``base`` runs, and the engine
-    scatters the ``[N, ...]`` states it returns. Same per-token arithmetic either way, so BI bits do not
-    depend on where the state lives."""
-
-    base: GatedDeltaRuleKernel
-
-    def __init__(self, base: nn.Module) -> None:
-        super().__init__(base)
-        self._n_decodes = 0
-        self._chunk_indices: torch.Tensor | None = None
-
-    def bind(
-        self, slots: torch.Tensor, keep: torch.Tensor | None, *, n_decodes: int = 0,
-        chunk_indices: torch.Tensor | None = None,
-    ) -> None:
-        """As ``_SlotBound.bind``, plus what an engine knows of the step's layout on the host: ``n_decodes``, how
-        many leading sequences are one-token decodes followed by prefills (0: no such split), and the FLA chunk
-        indices of the prefill sequences (of all of them where ``n_decodes`` is 0)."""
-        super().bind(slots, keep)
-        self._n_decodes, self._chunk_indices = n_decodes, chunk_indices
-
-    def unbind(self) -> None:
-        super().unbind()
-        self._n_decodes, self._chunk_indices = 0, None
-
-    def _peels_decodes(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
-        """Whether a mixed step (decodes first, then prefills) runs as two calls, as vLLM's own GDN layer does:
-        the decodes on the project's recurrent kernel in place on the cache, the prefills on the chunk kernel
-        with only their own states gathered and scattered. One chunk call over the whole step would gather and
-        scatter every running sequence's state (2 MB each at the 9B's heads) and pad each decode token to a
-        64-token chunk. Non-BI only: BI runs the recurrent kernel on the whole step anyway."""
-        if not self._mixed() or bi.is_batch_invariant() or self.base.mode != "chunk":
-            return False
-        if mixed_steps() == "recurrent" and self._in_place(q_THK, v_THV, state, "chunk"):
-            return False  # the whole call runs in place (``kernels.gdn.mixed_steps``)
-        nd = self._n_decodes
-        return self._in_place(q_THK[:nd], v_THV[:nd], state, "chunk", n_seqs=nd)
-
-    def _mixed(self) -> bool:
-        """Whether the bound step is decodes followed by prefills."""
-        return self._slots is not None and 0 < self._n_decodes < self._slots.shape[0]
-
-    def prep_in_kernel(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
-        """Whether this call should take raw q/k/a/b (``forward_raw``) and leave the l2norms and gates to the
-        project's kernel, three launches fewer per layer: non-BI decode-sized calls that the kernel runs on a bound
-        cache it updates in place. Never under BI: the kernel sums the l2norm in another order than the layer's
-        own kernel does, and a BI step must give the trainer's bits. Not where the engine bound a mixed step
-        (decodes, then prefills) either: a prefill's tokens run one after another in the kernel, and the fused
-        l2norms and gates lengthen that serial chain -- at prefill lengths the separate kernels are faster
-        (``benchmarks/gdn_recurrent.py``: ``titan_prep`` 10.40 vs ``titan_unfused`` 8.50 ms on an H100); such a
-        step runs as BI's does, or peeled (``_peels_decodes``), its rule given normed q/k either way."""
-        if self._mixed():
-            return False
-        return (self._slots is not None and not bi.is_batch_invariant() and q_THK.shape[0] <= 2 * self._slots.shape[0]
-                and self._in_place(q_THK, v_THV, state, self.base.mode))
-
-    def _in_place(
-        self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None, mode: GDNMode,
-        n_seqs: int | None = None,
-    ) -> bool:
-        """Whether the project's kernel runs this call (of ``n_seqs`` sequences; default all bound) on the bound
-        cache, reading and writing the slots in place (else the slots are gathered for ``base`` and the engine
-        scatters the result)."""
-        slots = self._slots
-        if slots is None or state is None or self.base.backend != "auto":
-            return False
-        if not runs_titan_recurrent(q_THK, slots.shape[0] if n_seqs is None else n_seqs, mode, False):
-            return False
-        from titan_rl_ext.kernels.gdn_triton import slotted_state_ok
-
-        return slotted_state_ok(state, v_THV.shape[1], q_THK.shape[2], v_THV.shape[2])
-
-    def qk_dtype(self, q_THK: torch.Tensor, v_THV: torch.Tensor, n_seqs: int, state: torch.Tensor | None) -> torch.dtype:
-        """fp32 where the project's kernel runs the call on the cache in place, else ``base``'s choice."""
-        mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
-        if self._slots is not None and state is not None and self._in_place(q_THK, v_THV, state, mode):
-            return torch.float32
-        if self._peels_decodes(q_THK, v_THV, state):
-            return torch.float32  # the decodes' kernel reads fp32 as in a decode-only step; FLA casts its part
-        return self.base.qk_dtype(q_THK, v_THV, n_seqs, state)
-
-    def forward_raw(
-        self,
-        q_raw_THK: torch.Tensor,
-        k_raw_THK: torch.Tensor,
-        v_THV: torch.Tensor,
-        a_TH: torch.Tensor,
-        b_TH: torch.Tensor,
-        A_log_H: torch.Tensor,
-        dt_bias_H: torch.Tensor,
-        batch: SeqBatch,
-        scale: float,
-        state: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step where ``prep_in_kernel`` said so: q/k before their l2norm, the projection's ``a``/``b``."""
-        from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
-
-        if self._slots is None:
-            raise RuntimeError("forward_raw needs the step's slots bound (prep_in_kernel says when)")
-        return gated_delta_rule_recurrent(q_raw_THK, k_raw_THK, v_THV, a_TH, b_TH, batch.cu_seqlens, scale, state,
-                                          state_slots=self._slots, state_keep=self._keep, A_log=A_log_H,
-                                          dt_bias=dt_bias_H, norm_qk=True)
-
-    def forward(
-        self,
-        q_THK: torch.Tensor,
-        k_THK: torch.Tensor,
-        v_THV: torch.Tensor,
-        g_TH: torch.Tensor,
-        beta_TH: torch.Tensor,
-        batch: SeqBatch,
-        scale: float,
-        state: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        slots, keep = self._slots, self._keep
-        if slots is None or state is None:  # no cache bound (a profiling run): the plain kernel
-            return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
-        mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
-        if self._in_place(q_THK, v_THV, state, mode):
-            from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
-
-            return gated_delta_rule_recurrent(q_THK, k_THK, v_THV, g_TH, beta_TH, batch.cu_seqlens, scale, state,
-                                              state_slots=slots, state_keep=keep)
-        if self._peels_decodes(q_THK, v_THV, state):
-            return self._decodes_then_prefills(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
-        # the bound chunk indices cover the prefills alone where decodes lead the step: not this whole call then
-        return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, self._gather(state, slots, keep),
-                         chunk_indices=self._chunk_indices if self._n_decodes == 0 else None)
-
-    @staticmethod
-    def _gather(state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-        ssm0 = state.index_select(0, slots.long()).float()
-        if keep is not None:
-            # a recycled slot holds another request's (or uninitialised) state: where, not multiply
-            ssm0 = torch.where(keep[:, None, None, None], ssm0, torch.zeros_like(ssm0))
-        return ssm0
-
-    def _decodes_then_prefills(
-        self, q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
-        beta_TH: torch.Tensor, batch: SeqBatch, scale: float, state: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``_peels_decodes``. The decodes are sequences ``[0, nd)``, one token each, so tokens ``[0, nd)``;
-        returns the cache, every sequence's final state written to its slot."""
-        from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
-
-        nd, slots, keep = self._n_decodes, self._slots, self._keep
-        assert slots is not None
-        cu = batch.cu_seqlens
-        o_dec, _ = gated_delta_rule_recurrent(
-            q_THK[:nd], k_THK[:nd], v_THV[:nd], g_TH[:nd], beta_TH[:nd], cu[: nd + 1], scale, state,
-            state_slots=slots[:nd], state_keep=None if keep is None else keep[:nd])
-        p_slots, p_keep = slots[nd:], None if keep is None else keep[nd:]
-        prefills = SeqBatch(cu_seqlens=cu[nd:] - nd, positions=batch.positions[nd:], max_seqlen=batch.max_seqlen)
-        o_pre, final = self.base(q_THK[nd:], k_THK[nd:], v_THV[nd:], g_TH[nd:], beta_TH[nd:], prefills, scale,
-                                 self._gather(state, p_slots, p_keep), chunk_indices=self._chunk_indices)
-        state.index_copy_(0, p_slots.long(), final.to(state.dtype))
-        return torch.cat([o_dec, o_pre.to(o_dec.dtype)]), state
 
 
 class GatedDeltaNet(nn.Module):
@@ -374,7 +174,10 @@ class GatedDeltaNet(nn.Module):
         scale = cfg.k_head_dim**-0.5
         ssm = None if state is None else state.ssm
         rule = self.rule_kernel
-        if isinstance(rule, CachedStateRuleKernel) and rule.prep_in_kernel(q_raw, v_THV, ssm):
+        # an engine's rule kernel may take q/k before their l2norm and the raw gates (``prep_in_kernel`` says when:
+        # ``vllm_titan_plugin.gdn_slots``): the layer asks, it does not know the engine's classes
+        prep_in_kernel = getattr(rule, "prep_in_kernel", None)
+        if prep_in_kernel is not None and prep_in_kernel(q_raw, v_THV, ssm):
             o_THV, ssm_state = rule.forward_raw(q_raw, k_raw, v_THV, a_TH, b_TH, self.A_log,
                                                 self.dt_bias.to(x_TD.dtype), batch, scale, ssm)
         else:

@@ -161,6 +161,15 @@ VERIFIERS_PYTHON = _declare(
     "The Python that runs `verifiers` environments (unset: the repo's `.venv-verifiers`, else this interpreter).")
 
 
+def named(name: str) -> str:
+    """The value of a variable the user named in a config (e.g. ``--rl.swap-token-env``: where the trainer finds
+    the generators' swap token): the declared setting's parsing when the name is one of ours, else the raw value
+    ("" when unset). Kept here so that this module stays the one reader of the environment."""
+    if name in SETTINGS:
+        return str(SETTINGS[name].get())
+    return os.environ.get(name, "")
+
+
 def problems(side: Side) -> list[str]:
     """Every declared setting read on ``side`` (those of both sides included) whose value it would refuse."""
     found = (s.problem() for s in SETTINGS.values() if s.side in (side, "both"))

@@ -8,13 +8,13 @@ reached. Only rank 0 has one: the other ranks take part in gathering the weights
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titan_rl_ext import settings
 from titan_rl_ext.kernels.batch_invariant import ENV_VAR as BI_ENV
 from titan_rl_ext.wire.protocol import GDN_RECURRENT_FIELD, SWAP_PORT_ENV, TOKEN_ENV, VERSION_ROUTE
 
@@ -54,7 +54,7 @@ class GeneratorLink:
         from titan_rl_ext.rl.generator_server import GeneratorServer
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._spawned_token = os.environ.get(self.rl.swap_token_env, "") or secrets.token_hex(16)
+        self._spawned_token = settings.named(self.rl.swap_token_env) or secrets.token_hex(16)
         # the generator we start is ours: its weights listener (a free loopback port) is asked for here
         env = {TOKEN_ENV: self._spawned_token, SWAP_PORT_ENV: "0", BI_ENV: "1" if batch_invariant else "0"}
         self._bi = batch_invariant
@@ -67,7 +67,7 @@ class GeneratorLink:
         from titan_rl_ext.rl.fleet import GeneratorFleet
         from titan_rl_ext.rl.weight_sync import WeightPusher
 
-        token = os.environ.get(self.rl.swap_token_env, "")
+        token = settings.named(self.rl.swap_token_env)
         urls = list(self.rl.generator_urls)
         if self.server is not None:
             token = self._spawned_token

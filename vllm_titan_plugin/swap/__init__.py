@@ -21,9 +21,9 @@ On only when ``TITAN_SWAP_TOKEN`` is set. The concerns, one file each:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
+from titan_rl_ext import settings
 from titan_rl_ext.wire.protocol import TOKEN_ENV, WEIGHTS_ROUTE
 from vllm_titan_plugin import compat
 
@@ -36,7 +36,7 @@ def install() -> None:
     """Called by the plugin entry point in every vLLM process; a no-op unless ``TITAN_SWAP_TOKEN`` is set.
     Workers get the swap methods, the engine core its version utility, the API-server process the routes,
     the listener and the middleware."""
-    if not os.environ.get(TOKEN_ENV):
+    if not settings.SWAP_TOKEN.get():
         return
     from vllm_titan_plugin.swap import engine, worker
 
@@ -50,7 +50,7 @@ def _attach(app: Any, args: Any = None) -> Any:
     from vllm_titan_plugin.swap.routes import make_router
     from vllm_titan_plugin.swap.state import SwapState
 
-    token = os.environ.get(TOKEN_ENV, "")
+    token = settings.SWAP_TOKEN.get()
     if not token:  # unset between plugin load and app build: stay off
         return app
     from vllm_titan_plugin.checks import swap_topology_problem

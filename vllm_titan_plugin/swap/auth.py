@@ -9,9 +9,9 @@ for this boot (``wire.signing``: good once, on this process only), or -- unless 
 from __future__ import annotations
 
 import hmac
-import os
 from typing import Any
 
+from titan_rl_ext import settings
 from titan_rl_ext.wire import signing
 
 SIGNED_ONLY_ENV = "TITAN_SWAP_SIGNED_ONLY"
@@ -24,7 +24,7 @@ class PushAuth:
         self._token = token.encode()
         self._nonces = signing.NonceLedger()
         self.boot_id = boot_id
-        self.signed_only = os.environ.get(SIGNED_ONLY_ENV, "0") == "1"
+        self.signed_only = settings.SWAP_SIGNED_ONLY.get()
 
     def __repr__(self) -> str:  # never show the token
         return f"PushAuth(signed_only={self.signed_only})"

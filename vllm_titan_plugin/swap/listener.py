@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import threading
 from typing import Any
 
+from titan_rl_ext import settings
 from titan_rl_ext.wire.protocol import SWAP_PORT_ENV
 
 logger = logging.getLogger("vllm.titan_plugin")
@@ -32,7 +32,7 @@ PORT_ENV = SWAP_PORT_ENV
 def wanted_port() -> int | None:
     """The port asked for (0: any free one), or None for no listener (unset or "off"). A bad value stops
     start-up."""
-    raw = os.environ.get(PORT_ENV, "").strip().lower()
+    raw = settings.SWAP_PORT.get().strip().lower()
     if raw in ("", "off"):
         return None
     if not raw.isdigit() or not 0 <= int(raw) < 65536:

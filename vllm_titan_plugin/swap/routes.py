@@ -33,7 +33,6 @@ waits, its body unread, until the first has swapped or failed). The token is nev
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from typing import Any
@@ -41,6 +40,7 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request  # module level: FastAPI resolves the string annotations
 
+from titan_rl_ext import settings
 from titan_rl_ext.wire.protocol import BI_ROUTE, CHECKSUMS_ROUTE, MODES, VERSION_ROUTE, WEIGHTS_ROUTE
 from vllm_titan_plugin import checks, compat
 from vllm_titan_plugin.swap.intake import INTAKES, Push, stale
@@ -103,12 +103,12 @@ def make_router(state: SwapState) -> Any:
 
     @router.get(VERSION_ROUTE, response_model=VersionResponse)
     async def weight_version() -> VersionResponse:
-        from titan_rl_ext.kernels.gdn import RECURRENT_ENV, recurrent_kernel
+        from titan_rl_ext.kernels.gdn import recurrent_kernel
 
         try:
             kernel = recurrent_kernel()
         except ValueError:  # refused at start-up for a titan model; a native one does not run it
-            kernel = os.environ.get(RECURRENT_ENV)
+            kernel = settings.GDN_RECURRENT.raw()
         return VersionResponse(version=state.version, boot_id=state.boot_id, push_port=state.push_port,
                                dirty=state.dirty, gdn_recurrent=kernel)
 

@@ -116,3 +116,11 @@ def test_values_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_docs_list_every_setting() -> None:
     doc = (REPO / "docs" / "settings.md").read_text()
     assert settings.markdown_table() in doc, "docs/settings.md: paste settings.markdown_table() in again"
+
+
+def test_the_readme_table_names_every_setting() -> None:
+    """The README's Configure table lists every declared variable, and no other ``TITAN_`` name."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Configure", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `TITAN_")}
+    assert rows == set(settings.SETTINGS), rows ^ set(settings.SETTINGS)

@@ -81,6 +81,20 @@ def epochs(items: list[Any], seed: int, start: int) -> Iterator[Any]:
     return _epochs(items, seed, start)
 
 
+def seeded_stream(sample: Callable[[int, int], list[Any]], seed: int, start: int, epoch_size: int = 256
+                  ) -> Iterator[Any]:
+    """An endless stream of generated items, ``sample(epoch_size, seed * 100003 + epoch)`` epoch after epoch, from
+    item ``start`` on (a resumed run seeks without generating the epochs before it)."""
+    check_start(start)
+    return _seeded(sample, seed, start, epoch_size)
+
+
+def _seeded(sample: Callable[[int, int], list[Any]], seed: int, start: int, epoch_size: int) -> Iterator[Any]:
+    first, skip = divmod(start, epoch_size)
+    for epoch in itertools.count(first):
+        yield from sample(epoch_size, seed * 100003 + epoch)[skip if epoch == first else 0:]
+
+
 def check_start(start: int) -> None:
     # here rather than in the generators below: those would only raise at their first item
     if start < 0:

@@ -3,19 +3,17 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from titan_rl_ext.rl.envs import Scorer
 from titan_rl_ext.rl.rewards import SyntheticTask
 from titan_rl_ext.rl.tasks import register_task
-from titan_rl_ext.rl.tasks.base import RolloutSource, Task, check_start
+from titan_rl_ext.rl.tasks.base import RolloutSource, Task, seeded_stream
 
 if TYPE_CHECKING:
     from titan_rl_ext.rl.config import RLConfig
 
-_EPOCH = 256  # items per seeded batch of the stream
 _EVAL_SEED = 2_147_483_647  # training streams use seed * 100003 + epoch: never this
 
 
@@ -24,14 +22,7 @@ class Synthetic(Task):
         self.generator = SyntheticTask(kind=kind)
 
     def prompts(self, rl: RLConfig, tokenizer: Any, start: int, source: RolloutSource | None) -> Iterator[Any]:
-        check_start(start)
-        return self._stream(rl.seed, start)
-
-    def _stream(self, seed: int, start: int) -> Iterator[Any]:
-        first, skip = divmod(start, _EPOCH)
-        for epoch in itertools.count(first):
-            items = self.generator.sample(_EPOCH, seed=seed * 100003 + epoch)
-            yield from items[skip if epoch == first else 0:]
+        return seeded_stream(lambda n, seed: self.generator.sample(n, seed=seed), rl.seed, start)
 
     def eval_items(self, rl: RLConfig, tokenizer: Any) -> list[Any]:
         return list(self.generator.sample(rl.eval_items, seed=_EVAL_SEED))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The RL loop on one GPU, three generator arms of one recipe (issue 22): `rl_gpu_hybrid` (titan_rl_ext/configs/rl.py)
+# The RL loop on one GPU, three generator arms of one recipe: `rl_gpu_hybrid` (titan_rl_ext/configs/rl.py)
 # with the generator on vLLM's native Qwen3.5 class, on --model-impl titan, and on titan with batch invariance.
-# On the lent H200, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH), with fla-core's
+# On the lent GPU machine, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH), with fla-core's
 # wheel and the trainer's wheels (`bash scripts/make_trainer_carry.sh`) in .whl/ -- one stage per command:
 #   bash tests/gpu/run_rl_e2e.sh smoke      # install, then the same recipe on the tiny model, BI on, 6 steps (~2 min):
 #                                           # the whole GPU path (FSDP bf16, CUDA IPC push, swap, BI) before the big runs
 #   bash tests/gpu/run_rl_e2e.sh setup      # install, build the 0.85 B checkpoint and its warm-up (cached in /tmp/rlcache)
 #   bash tests/gpu/run_rl_e2e.sh ckpt_bg    # the same build started in the background and returned from at once: run
 #                                           # it in the staging command (only .whl/fla_core-*.whl needed there, no vLLM),
-#                                           # so the 281 s build overlaps the next command's install; an arm waits for it
+#                                           # so the build overlaps the next command's install; an arm waits for it
 #   bash tests/gpu/run_rl_e2e.sh titan_bi   # one arm: 40 steps (RL_STEPS), metrics.jsonl + plots in $OUT/<arm>
 #   bash tests/gpu/run_rl_e2e.sh titan
 #   bash tests/gpu/run_rl_e2e.sh native
@@ -23,7 +23,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_USE_FLASHI
 export TITAN_RL_CACHE=/tmp/rlcache
 export PYTHONPATH="/tmp/titan-site${PYTHONPATH:+:$PYTHONPATH}"
 # A fresh lease compiles and autotunes every Triton kernel again (fla's chunk kernels, the titan kernels, vLLM's
-# attention): ~100 s of a toy warm-up's 108 s. Each stage leaves the cache in $OUT/triton-cache.tar.gz; put that
+# attention): most of a toy warm-up's time (docs/decisions.md). Each stage leaves the cache in $OUT/triton-cache.tar.gz; put that
 # file at .gpu-carry/triton-cache.tar.gz and carry it, and the next lease starts from it.
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
 if [ ! -d /tmp/triton-cache ]; then

@@ -1,8 +1,8 @@
 # Sourced by the GPU stage scripts: Triton's autotuning results survive from one lease to the next.
 #
 # A fresh lease autotunes every autotuned Triton kernel again -- fla's chunk kernels try dozens of configurations,
-# each compiled -- which is most of the BI arm's 172 s first step (session 26). The whole Triton cache (43 MB
-# gzipped) is too large to carry or return, but the autotuner's results are small JSON files
+# each compiled -- which is most of the BI arm's first step (docs/benchmarks.md, "The RL loop on the GPU"). The
+# whole Triton cache (tens of MB gzipped) is too large to carry or return, but the autotuner's results are small JSON files
 # (`<hash>/<kernel>.autotune.json`, keyed by Triton's version, the GPU and the kernel source: a file that does not
 # match is simply not found). With them, each kernel compiles its chosen configuration only.
 #

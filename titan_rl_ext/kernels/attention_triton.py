@@ -86,7 +86,7 @@ class Launch:
 
 # Split-parallel decode programs only stream keys, with nothing else to hide a block's latency behind: they load
 # the next block ahead. Per-tile prefills are compute-bound and the prefetch's registers slow them: they do not.
-# (Measured: docs/benchmarks.md §19.)
+# (The timings: docs/benchmarks.md, "Long contexts and full depth".)
 LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1)}
 
 

@@ -43,8 +43,8 @@ FP32_INPUT_PRECISION = "ieee"
 @dataclass(frozen=True)
 class MMConfig:
     """How ``bi_matmul`` tiles one launch. A row's bits depend on how its K reduction runs (``BLOCK_K`` steps in
-    ascending order into one fp32 accumulator), not on which program computes its tile: on the H200 every
-    configuration measured gives the default's bits (``tests/gpu/bi_gemm_tiles.py``), which is what lets the
+    ascending order into one fp32 accumulator), not on which program computes its tile: every configuration
+    ``tests/gpu/bi_gemm_tiles.py`` checks on the GPU gives the default's bits, which is what lets the
     tile follow M. ``persistent``: a fixed number of programs (one per SM) loop over the tiles; otherwise one
     program per tile. ``tma``: operands arrive through TMA descriptors (Hopper and later; the weight must be a
     row-major ``[N, K]`` with 16-byte aligned rows, else the pointer kernel runs)."""
@@ -65,9 +65,9 @@ _MM_CONFIGS: dict[torch.dtype, MMConfig] = {
     torch.float32: MMConfig(128, 128, 32),
 }
 # Decode-sized M: smaller output tiles, more of them (one 128x128 tile per program leaves most SMs idle when M
-# is 1 and N is 4096). On the H200 all ten configurations measured give the default's bits on every
-# Qwen3.5-9B projection and the LM head at M = 1, 8, 64, 256 (tests/gpu/bi_gemm_tiles.py,
-# benchmarks/results/bi_gemm_tiles.json); tests/gpu/test_batch_invariant_cuda.py sweeps M across these bounds.
+# is 1 and N is 4096). Every configuration ``tests/gpu/bi_gemm_tiles.py`` checks gives the default's bits on
+# every Qwen3.5-9B projection and the LM head (the runs: docs/benchmarks.md, "BI GEMM tiles");
+# tests/gpu/test_batch_invariant_cuda.py sweeps M across these bounds.
 # (largest M, config), first match wins; larger M takes _MM_CONFIGS.
 _SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, MMConfig], ...]] = {
     torch.bfloat16: ((16, MMConfig(16, 128, 64, 8, 4, 4)), (64, MMConfig(64, 128, 64, 8, 4, 4))),
@@ -302,7 +302,7 @@ def _grad_in_layout_of(b_KN: torch.Tensor, a_MK: torch.Tensor, g_MN: torch.Tenso
     """``a.t() @ g``, the gradient of ``b``, laid out like ``b``. The linear layers pass ``weight.t()``
     (column-major): a row-major gradient would reach the weight as a transposed view, and autograd stores a
     ``.grad`` in its parameter's layout, so it would copy it -- a transposing copy of every weight per step
-    (3.5 GB of traffic, ~6 ms, on the 4-layer 9B slice). ``(g.t() @ a).t()`` is the same product, written
+    (docs/decisions.md). ``(g.t() @ a).t()`` is the same product, written
     in the weight's own layout by the GEMM itself."""
     if b_KN.stride(0) == 1 and b_KN.stride(1) != 1:
         return torch.mm(g_MN.t(), a_MK).t()

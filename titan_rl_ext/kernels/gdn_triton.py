@@ -3,8 +3,8 @@ generator's prefill and its decode steps alike, so all three run one per-token c
 
 Why not FLA's ``fused_recurrent`` (what BI ran before): its step is a chain of two dependent reductions over
 K (``k^T S`` after the decay, then ``S^T q`` after the write), and it issues the next token's loads only
-after the current token's store, so a long sequence pays memory latency on every token. Measured on the
-H200: 15 ms of the BI trainer step (6 ms for FLA's chunk kernel) and 39 ms of a BI 16x2048 prefill.
+after the current token's store, so a long sequence pays memory latency on every token (its share of the BI
+trainer step and of a BI prefill: docs/benchmarks.md, "The recurrent GDN kernel").
 
 Here, per value head and block of ``BV`` value columns, one program walks its sequence token by token with
 the state block ``S [K, BV]`` in registers and
@@ -45,9 +45,9 @@ import triton.language as tl
 class RecurrentConfig:
     """Per-token layout of the kernel. Every process of a run must use the same one (bits depend on it)."""
 
-    # BV 32, one warp: the fastest on the train batch + 16x2048 prefill together, and among the fastest at
-    # decode B = 1/32/256, of 13 layouts timed on the H200 (benchmarks/results/gdn_recurrent.json: prefill
-    # 4.1 ms vs 7.6 at BV 8 and 10.1 for FLA's recurrent kernel; decode B = 256 0.27 vs 0.37 and 0.44 ms)
+    # BV 32, one warp: of the layouts timed by ``benchmarks/gdn_recurrent.py``, the fastest on the train batch
+    # and a 16x2048 prefill together, and among the fastest at decode B = 1/32/256 (the timings:
+    # docs/benchmarks.md, "The recurrent GDN kernel")
     BV: int = 32
     num_warps: int = 1
 

@@ -3,8 +3,8 @@
 The launch tables next to the kernels (``bi_gemm_tables.json``, ``conv_bwd_tables.json``) are measured on one GPU
 and keyed by its ``torch.cuda.get_device_name``. GPUs cut from one die run one compiled kernel (Triton targets
 the compute capability, and the machine code is the same), so a table measured on one of them gives the others
-the same bits and close to the same speed: the lent machines are H100s and H200s (one GH100 die), and a table
-measured on either serves both. A GPU with its own entry uses it; a GPU outside every family gets none.
+the same bits and close to the same speed: H100s and H200s are one GH100 die, so a table measured on either
+serves both. A GPU with its own entry uses it; a GPU outside every family gets none.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Triton kernels for the per-row ops of the layers: RMSNorm (both Qwen flavours; the attention's q/k norms with
 their rotary embedding), the GDN output's gated RMSNorm, l2norm, SwiGLU's ``silu(gate) * up`` and the attention's
 output gate ``sigmoid(gate) * o``. Each replaces 5-10 torch kernels (casts, pow, mean,
-rsqrt, muls) with one read and one write of the row: in a 16x2048 prefill of the 4-layer Qwen3.5-9B slice
-those torch chains were ~40 % of all kernel time. References and dispatch: ``titan_rl_ext.kernels.rows``.
+rsqrt, muls) with one read and one write of the row: in a prefill those torch chains were a large share of
+all kernel time (docs/benchmarks.md, "Where the time went, and the fused layer kernels"). References and dispatch: ``titan_rl_ext.kernels.rows``.
 
 Batch invariance: a tile is ``ROWS x BLOCK_D`` with ``BLOCK_D`` the whole row (power of two), and
 ``ROWS`` and ``num_warps`` are chosen from D alone, so the reduction of a row is laid out the same way

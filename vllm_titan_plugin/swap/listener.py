@@ -1,7 +1,7 @@
 """The weights listener: the push routes on their own port, served by their own thread and event loop.
 
 Why: under load the OpenAI event loop spends its turns streaming tokens, and a push that arrives on it
-waits behind them (0.2–2 s here, ~12 s on a 2-core CI machine) before its body is even read. On the
+waits behind them (seconds on a small machine: docs/decisions.md) before its body is even read. On the
 listener a push is received and validated without that loop; only the engine calls (pause, copy in the
 workers, set the version, resume) hop over to it (``SwapState.on_engine_loop``), a handful of turns.
 

@@ -18,7 +18,7 @@ import of the project's own models.
    through without pretending that path works (``fully_shard`` of 2.11 refuses the keyword). Every other
    torch >= 2.12 name torchtitan 0.3.0 uses sits on paths this project does not reach (flex-attention
    masks, varlen attention, MoE expert parallelism, pipelining, symmetric-memory FSDP): checked on a
-   torch 2.11 install, listed on issue 22.
+   torch 2.11 install (docs/versions.md).
 """
 
 from __future__ import annotations

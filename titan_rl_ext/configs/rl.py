@@ -204,7 +204,7 @@ def qwen3_5_9b_dapo_math() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# one GPU: trainer and generator side by side (issue 22's three arms)
+# one GPU: trainer and generator side by side (the three generator arms of ``tools/rl_arms.py``)
 
 GPU_WARMUP_TARGET = 0.2
 
@@ -250,7 +250,7 @@ def _gpu_recipe(toy: bool, hf_dir: str = "") -> Any:
     else:
         server = ["--dtype", "bfloat16", "--max-model-len", "512", "--seed", "0", "--gpu-memory-utilization", "0.3",
                   "--language-model-only", "--gdn-prefill-backend", "triton",
-                  # the lent GPU's vLLM carries no FlashAttention build (docs/benchmarks.md)
+                  # a vLLM without a FlashAttention build needs the Triton backend (docs/versions.md)
                   "--attention-backend", "TRITON_ATTN"]
     rl = RLConfig(
         spawn_server=True,
@@ -280,8 +280,8 @@ def _gpu_recipe(toy: bool, hf_dir: str = "") -> Any:
 
 
 def rl_gpu_hybrid() -> Any:
-    """One H200: the 0.85 B Qwen3.5 hybrid, 32 prompts x G=8, 40 steps (``tests/gpu/run_rl_e2e.sh`` runs the
-    three arms)."""
+    """One GPU (80 GB class): the 0.85 B Qwen3.5 hybrid, 32 prompts x G=8, 40 steps (``tests/gpu/run_rl_e2e.sh``
+    runs the three arms)."""
     return _gpu_recipe(toy=False)
 
 

@@ -1,4 +1,4 @@
-"""Several generators as one rollout pool that never mixes weights silently (issue 16, item 3).
+"""Several generators as one rollout pool that never mixes weights silently.
 
 A push to the fleet is one operation with one outcome (``FleetPush``): every generator that answered
 "swapped" serves the new version; every other one is **out of the pool** until a later push to it

@@ -5,7 +5,7 @@ environment: torchrun's rank variables are dropped (vLLM would otherwise think i
 trainer's process group), and so is every ``TORCHELASTIC_*`` variable: with
 ``TORCHELASTIC_USE_AGENT_STORE=True`` (torchrun sets it) torch's ``tcp://`` rendezvous connects as a client
 to a store it expects the elastic agent to host, so vLLM's engine core waits forever on the free port it
-picked for its own world of one (seen on the H200: the engine hung right after ``world_size=1 rank=0``).
+picked for its own world of one (the symptom: the engine hangs right after logging ``world_size=1 rank=0``).
 """
 
 from __future__ import annotations

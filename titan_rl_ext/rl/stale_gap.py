@@ -5,8 +5,8 @@ against the weights that produced them, so the trainer keeps the last ``keep`` v
 recomputes, with a second model, every turn whose generated tokens all carry one such version. Turns a swap
 split are skipped (their context mixes versions) and counted.
 
-Where the weights are kept decides what the metric costs each step (measured on the H200: a 0.85 B model's
-push took 0.8-1.2 s on the trainer side for a 0.03 s swap on the server, docs/benchmarks.md §9). On the CPU
+Where the weights are kept decides what the metric costs each step (with the versions on the CPU, a push's
+trainer side cost many times the server's swap: docs/benchmarks.md, "The RL loop on the GPU"). On the CPU
 every push copies the model device to host and every recompute copies it back. So with ``device="auto"`` the
 versions stay on the compute device when ``keep`` of them take at most a quarter of its free memory (a
 device-to-device clone per push, no copy per recompute: the second model's parameters are pointed at the kept

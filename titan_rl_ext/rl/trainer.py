@@ -253,8 +253,9 @@ class RLTrainer(Trainer):
     def _warm_kernels(self) -> None:
         """One forward and backward of a synthetic batch shaped like a step's share, under the first step's
         kernel setting, while a spawned generator boots: on a fresh machine the trainer's Triton kernels
-        compile and autotune here instead of after the generator is up (the BI arm's first step took 172 s of
-        which the generator's boot hid none, docs/benchmarks.md §9), and a step that does not fit in memory
+        compile and autotune here instead of after the generator is up (on a cold cache they are most of the BI
+        arm's first step, and the generator's boot hid none of it: docs/benchmarks.md, "The RL loop on the
+        GPU"), and a step that does not fit in memory
         fails before any rollout. No weight changes: the gradients are dropped."""
         from titan_rl_ext.kernels.batch_invariant import batch_invariant
         from titan_rl_ext.models.common.batch import SeqBatch

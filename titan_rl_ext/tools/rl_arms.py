@@ -1,4 +1,5 @@
-"""Compare RL runs of the same recipe that differ in the generator (issue 22's three arms).
+"""Compare RL runs of the same recipe that differ in the generator (three arms: vLLM's
+native class, ``--model-impl titan``, and titan with batch invariance).
 
     python -m titan_rl_ext.tools.rl_arms native=RUN_A titan=RUN_B titan_bi=RUN_C --out DIR [--json rl_gpu.json]
 
@@ -60,7 +61,7 @@ def arm_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], env: dict[str, Any]) -> dict[str, Any]:
-    """The issue's ``rl_gpu.json``, plus every arm's own summary under ``arms``."""
+    """The ``rl_gpu.json`` summary, plus every arm's own summary under ``arms``."""
     arms = {name: arm_summary(recs) for name, recs in runs.items()}
     nan = float("nan")
     get = lambda arm, key: arms.get(arm, {}).get(key, nan)  # noqa: E731

@@ -12,9 +12,9 @@ over keys gathered through the block table. vLLM still owns the cache memory, th
 prefix caching.
 
 Steps with a prefill take that kernel with BI off too, where vLLM's backend is its Triton one
-(``TRITON_ATTN``): at the 9B's heads (16 q / 4 kv of 256) it ran a prefill at ~112 TFLOP/s on the H200
-(``benchmarks/results/bi_attention_head.json``) where vLLM's unified Triton kernel ran ~65
-(``profile_fused_90fd736.json``: 0.53 ms per 2048-token sequence). Decode-only steps keep vLLM's kernel
+(``TRITON_ATTN``): at the 9B's heads (16 q / 4 kv of 256) it runs a prefill well above the throughput of
+vLLM's unified Triton kernel (the timings: docs/benchmarks.md, the row "prefill steps on the project's
+attention kernel"). Decode-only steps keep vLLM's kernel
 (the one the decode graphs capture), reading the keys the prefills wrote: both address the cache through the
 same views (``tests/gpu/test_paged_kv_cuda.py``). ``TITAN_PREFILL_ATTENTION=vllm`` keeps vLLM's kernel for every
 step.

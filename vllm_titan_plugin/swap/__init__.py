@@ -1,4 +1,4 @@
-"""Weight push + in-place swap for vLLM servers running ``--model-impl titan`` (issues 5, 7, 16).
+"""Weight push + in-place swap for vLLM servers running ``--model-impl titan``.
 
 On only when ``TITAN_SWAP_TOKEN`` is set. The concerns, one file each:
 

@@ -12,9 +12,11 @@ ratio BI/non-BI (throughput; < 1 = BI slower).
 
 Also:
 - sanity check that BI is really on: the same sequences packed in another order, behind an extra filler
-  sequence (so T changes too), must give bit-identical per-token logprobs with BI on (exit code 1 if
-  not); the BI-off count is printed too; and the head's log-softmax statistics kernel must give the bits of
-  ``torch.log_softmax`` (``bi_torch_lse``: ``bench_common.torch_head_lse``), counted as ``lse_kernel_vs_torch_differing``;
+  sequence (so T changes too), and the first ``PREFIX_LEN`` tokens of the first sequence alone (a product of
+  that few rows, for which cuBLAS picks other kernels) must give bit-identical per-token logprobs with BI on;
+  on CUDA the BI-off control must differ somewhere, or the check could not tell (exit code 1 if either fails);
+  and the head's log-softmax statistics kernel must give the bits of ``torch.log_softmax`` (``bi_torch_lse``:
+  ``bench_common.torch_head_lse``), counted as ``lse_kernel_vs_torch_differing``;
 - beside ``bi`` / ``nonbi``, the same step with one change undone, same process: ``*_head_recompute`` (the head's
   backward recomputes its logits), ``*_ref_bwd`` (the fused kernels' torch-reference gradients),
   ``*_torch_lse`` (torch's log-softmax), ``bi_fla_rec`` (FLA's recurrent GDN kernel instead of the project's, the default);
@@ -53,12 +55,40 @@ from titan_rl_ext.kernels.batch_invariant import batch_invariant  # noqa: E402
 from titan_rl_ext.kernels.conv_triton import bwd_config  # noqa: E402
 from titan_rl_ext.kernels.gdn import RECURRENT_ENV, fla_available  # noqa: E402
 from titan_rl_ext.kernels.rows import reference_backward  # noqa: E402
+from titan_rl_ext.models.common.batch import SeqBatch  # noqa: E402
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, LINEAR_ATTENTION, Decoder  # noqa: E402
 from titan_rl_ext.models.qwen3_5.model import Qwen3_5Config  # noqa: E402
 from titan_rl_ext.kernels.lm_head import token_logprobs_fused  # noqa: E402
 from titan_rl_ext.rl.logprobs import token_logprobs  # noqa: E402
 
 GUARD_OVERRIDDEN = "OVERRIDDEN for both modes (FLA #640; gradients checked by tests/gpu/test_bi_kernels_cuda.py)"
+# The order check's small packing: the first sequence's first tokens alone. Beside thousands of rows, another
+# order or a filler leaves stock GEMMs on the same kernels (the BI-off control then shows 0 differing on an
+# H100), so only a product of few rows makes the control differ there.
+PREFIX_LEN = 16
+BI_CHECK_MODES = ("bi", "bi_fla_rec", "bi_torch_lse")
+
+
+def order_verdict(check: dict[str, Any], control_must_differ: bool) -> bool:
+    """The order check passes: every BI mode gives the same bits in every packing, the head's statistics kernel
+    gives torch's, and (``control_must_differ``) the BI-off control differs in some packing. CPU kernels give
+    the same bits at any row count, so there the control cannot differ and is not asked to."""
+    bi_same = all(check[m]["differing"] == 0 and check[m]["prefix_differing"] == 0 and check[m]["nan_pattern_equal"]
+                  and check[m]["finite"] for m in BI_CHECK_MODES) and check["lse_kernel_vs_torch_differing"] == 0
+    control_differs = check["nonbi"]["differing"] + check["nonbi"]["prefix_differing"] > 0
+    return bi_same and (control_differs or not control_must_differ)
+
+
+def block_step(layer: nn.Module, x0: torch.Tensor, batch: SeqBatch, rope: tuple[torch.Tensor, torch.Tensor],
+               gy: torch.Tensor) -> torch.Tensor:
+    """fwd+bwd of one decoder block alone -> the gradient at its input. A block returns ``(x, h, state)`` with the
+    feed-forward's ``h`` still to be added (the next norm adds it), so the stream it hands on, the one the
+    gradient enters, is ``x + h``."""
+    x = x0.detach().requires_grad_(True)
+    out, h, _ = layer(x, batch, rope, None)
+    (out + h).backward(gy)
+    assert x.grad is not None
+    return x.grad
 
 # --------------------------------------------------------------------------------------------------
 # FLOP count, profiler
@@ -139,30 +169,37 @@ def main() -> int:
     # another offset and the total T (the GEMMs' M) changes, so stock kernels may pick other tilings.
     start_b = {i: FILLER_LEN + sum(lengths[j] for j in perm[: perm.index(i)]) for i in order}
     lp_by_mode: dict[str, torch.Tensor] = {}
-    check: dict[str, Any] = {"order_a": order, "order_b": [f"filler{FILLER_LEN}"] + perm}
+    check: dict[str, Any] = {"order_a": order, "order_b": [f"filler{FILLER_LEN}"] + perm,
+                             "order_c": f"first {PREFIX_LEN} tokens of sequence 0 alone"}
+    n_prefix = min(PREFIX_LEN, lengths[0])
+    batch_c = SeqBatch.from_lengths([n_prefix], device=dev)
     for mode, (on, switches) in check_modes.items():
         with torch.no_grad(), batch_invariant(on), switches():
             lp_a = token_logprobs(model, toks, batch)
             lp_b_packed = token_logprobs(model, toks2, batch2)
+            lp_c = token_logprobs(model, toks[:n_prefix], batch_c)
         lp_b = torch.cat([lp_b_packed[start_b[i]: start_b[i] + lengths[i]] for i in order])  # back to packing A
         valid = ~lp_a.isnan()
         diff = (lp_a[valid] - lp_b[valid]).abs()
         check[mode] = {"tokens": int(valid.sum()), "differing": int((diff != 0).sum()), "max_abs_diff": diff.max().item(),
                        "nan_pattern_equal": bool(torch.equal(lp_a.isnan(), lp_b.isnan())),
-                       "finite": bool(torch.isfinite(lp_a[valid]).all())}
+                       "finite": bool(torch.isfinite(lp_a[valid]).all()),
+                       "prefix_tokens": int((~lp_c.isnan()).sum()),
+                       "prefix_differing": int(((lp_c != lp_a[:n_prefix]) & ~lp_c.isnan()).sum())}
         lp_by_mode[mode] = lp_a
         del lp_a, lp_b, lp_b_packed
     v = ~lp_by_mode["bi"].isnan()
     check["bi_vs_nonbi_max_abs_diff"] = (lp_by_mode["bi"][v] - lp_by_mode["nonbi"][v]).abs().max().item()
     check["lse_kernel_vs_torch_differing"] = int((lp_by_mode["bi"][v] != lp_by_mode["bi_torch_lse"][v]).sum())
     del lp_by_mode
-    bi_ok = all(check[m]["differing"] == 0 and check[m]["nan_pattern_equal"] and check[m]["finite"]
-                for m in ("bi", "bi_fla_rec", "bi_torch_lse")) and check["lse_kernel_vs_torch_differing"] == 0
+    bi_ok = order_verdict(check, control_must_differ=dev.type == "cuda")
     results["order_check"] = check
     print(f"order check (sequences packed {order} vs {check['order_b']}): BI on {check['bi']['differing']}/{check['bi']['tokens']} "
           f"logprobs differ, BI with FLA's recurrent kernel {check['bi_fla_rec']['differing']} "
           f"({'OK, bit-identical' if bi_ok else 'FAIL'}); BI off {check['nonbi']['differing']}/"
-          f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}); head statistics kernel vs "
+          f"{check['nonbi']['tokens']} differ (max {check['nonbi']['max_abs_diff']:.2e}), alone "
+          f"{check['nonbi']['prefix_differing']}/{check['nonbi']['prefix_tokens']} (BI "
+          f"{check['bi']['prefix_differing']}); head statistics kernel vs "
           f"torch.log_softmax {check['lse_kernel_vs_torch_differing']} differ; "
           f"BI vs non-BI max |diff| {check['bi_vs_nonbi_max_abs_diff']:.2e}", flush=True)
     save()
@@ -257,9 +294,7 @@ def main() -> int:
 
         def block(i: int) -> Callable[[], None]:
             def run() -> None:
-                x = x0.detach().requires_grad_(True)
-                y, _ = model.layers[i](x, batch, rope, None)
-                y.backward(gy)
+                block_step(model.layers[i], x0, batch, rope, gy)
                 model.zero_grad(set_to_none=True)
             return run
 
@@ -309,7 +344,8 @@ def main() -> int:
         print(f"RATIO BI (FLA recurrent GDN)/non-BI throughput = {results['ratio_bi_fla_rec_over_nonbi_throughput']:.3f}")
     print(f"BI order check: {'PASS' if bi_ok else 'FAIL'} ({check['bi']['differing']}/{check['bi']['tokens']} differ; "
           f"FLA recurrent {check['bi_fla_rec']['differing']}); "
-          f"non-BI: {check['nonbi']['differing']}/{check['nonbi']['tokens']} differ")
+          f"non-BI: {check['nonbi']['differing']}/{check['nonbi']['tokens']} differ, alone "
+          f"{check['nonbi']['prefix_differing']}/{check['nonbi']['prefix_tokens']}")
     if breakdown:
         print("breakdown (fwd+bwd of each part alone; pct = part x count / full step):")
         print(fmt_table(breakdown, [("mode", "mode", ""), ("part", "part", ""), ("ms_r1", "r1 ms", ".1f"),

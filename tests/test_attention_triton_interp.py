@@ -119,7 +119,7 @@ def _check_splits() -> None:
     """Sequences over several splits (a split of 128 keys here, two blocks of 64): a decode query at every
     position around the boundaries and prefill chunks straddling them, through caches of block size 16, 48
     (not a power of two) and 128, with 2, 3 and 64 split programs, equal the trainer's packed launch bit
-    for bit; GQA 2 and 3 (a tile of 64 rows holds 32 / 21 queries)."""
+    for bit; GQA 3 (a tile of 64 rows holds 21 queries), fp32."""
     import torch
 
     from titan_rl_ext.kernels import attention_triton as at
@@ -128,8 +128,9 @@ def _check_splits() -> None:
     saved = at.SPLIT
     at.SPLIT = 128
     try:
-        # fp32 first: a bf16 output's rounding would hide most fp32 differences of the fold
-        for N, Kh, seed, dtype in ((4, 2, 7, torch.float32), (6, 2, 8, torch.bfloat16)):
+        # fp32 (a bf16 output's rounding would hide most fp32 differences of the fold), GQA 3: a tile of 21 queries
+        # and one idle row; bf16 and GQA 2 run in the other checks
+        for N, Kh, seed, dtype in ((6, 2, 7, torch.float32),):
             H = 32
             lens = [300, 129, 128, 257, 1, 384]
             q, k, v, cu = _inputs(lens, N, Kh, H, dtype, seed=seed)
@@ -143,7 +144,7 @@ def _check_splits() -> None:
             assert (o[s0:e0].double() - split_ref.double()).abs().max() <= tol * ref.abs().max()
             # (cache block size, split programs per sequence and KV head): 48 is not a power of two, 64
             # programs leave most of them without a split
-            for bs, progs in ((16, 2), (48, 3), (128, 64)) if dtype == torch.float32 else ((48, 3),):
+            for bs, progs in ((16, 2), (48, 3), (128, 64)):
                 kc, vc, bt = _paged(k, v, lens, bs, seed=bs)
                 for pos in (127, 128, 129, 256, 299):  # one decode query at absolute position pos
                     d_lens = [min(pos + 1, n) for n in lens]

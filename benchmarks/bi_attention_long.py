@@ -245,8 +245,9 @@ def _launch_variants(path: str) -> list[tuple[str, Launch]]:
             how = Launch(prefetch=pf, stages=st)
             if how != shipped:
                 out.append((f"{path}_pf{pf}_st{st}", how))
-    if path == "split":  # candidate decode tiles of fewer rows (their bits are checked like the rest)
-        out += [(f"split_m{r}_w{w}", Launch(prefetch=1, rows=r, warps=w)) for r, w in ((16, 4), (16, 8), (32, 4))]
+    if path == "split":  # other decode tiles (their bits are checked like the rest); m64: the tile table's own
+        tiles = [(f"split_m{r}_w{w}", Launch(prefetch=1, rows=r, warps=w)) for r, w in ((16, 4), (16, 8), (32, 4))]
+        out += [(n, how) for n, how in tiles + [("split_m64", Launch(prefetch=1))] if how != shipped]
     return out
 
 

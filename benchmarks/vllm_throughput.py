@@ -341,6 +341,12 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
     print(f"wrote {path}")
 
 
+def _plugin_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.value.startswith("vllm_titan_plugin") for ep in entry_points(group="vllm.general_plugins"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True)
@@ -382,6 +388,10 @@ def main() -> int:
     cfgs = args.configs.split(",")
     if unknown := [c for c in cfgs if c not in CONFIGS]:
         ap.error(f"unknown configs {unknown}; choose from {CONFIGS}")
+    if any(not c.startswith("native") for c in cfgs) and not _plugin_installed():
+        ap.error("titan configs need the plugin installed (vLLM finds it through the vllm.general_plugins entry "
+                 "point; PYTHONPATH alone serves vLLM's own class): pip install this package, or on the GPU "
+                 "machine put tests/gpu/run_vllm_e2e.sh's /tmp/titan-site on PYTHONPATH")
     log_dir = args.log_dir or (os.path.dirname(os.path.abspath(args.out)) if args.out else "/tmp")
     os.makedirs(log_dir, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}

@@ -73,10 +73,11 @@ class Launch:
     """How the kernel is launched, apart from what fixes the bits (``CONFIGS``, ``SPLIT``): software
     prefetch of the next key block, pipelining stages (None: the tile table's), per path.
 
-    ``rows`` / ``warps`` (split path only; None: the tile table's) are candidates, not settings: a decode tile of
-    fewer rows wastes fewer tensor-core rows at GQA 4 (4 real rows of 64), but whether a smaller dot gives each row
-    the table's bits is a property of the GPU's matrix instructions, which only a check on the device can
-    answer (``benchmarks/bi_attention_long.py`` reports it per variant). Nothing ships one until it has."""
+    ``rows`` / ``warps`` (split path only; None: the tile table's): a decode tile of fewer rows wastes fewer
+    tensor-core rows at GQA 4 (4 real rows of 64). Whether a smaller dot gives each row the table's bits is a
+    property of the GPU's matrix instructions, so a tile ships only after the device check of
+    ``benchmarks/bi_attention_long.py`` (every candidate's bits per case) and ``tests/gpu/test_bi_kernels_cuda.py``.
+    A launch whose queries x group exceed ``rows`` takes the per-tile path, whose bits are the same."""
 
     prefetch: int = 0
     stages: int | None = None
@@ -85,9 +86,10 @@ class Launch:
 
 
 # Split-parallel decode programs only stream keys, with nothing else to hide a block's latency behind: they load
-# the next block ahead. Per-tile prefills are compute-bound and the prefetch's registers slow them: they do not.
-# (The timings: docs/benchmarks.md, "Long contexts and full depth".)
-LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1)}
+# the next block ahead, on a 16-row tile (4 queries x GQA 4; 8 warps streamed fastest of the 16/32-row candidates,
+# and each kept the table's bits on the device). Per-tile prefills are compute-bound and the prefetch's registers
+# slow them: they do not. (The timings: docs/benchmarks.md, "Long contexts and full depth".)
+LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1, rows=16, warps=8)}
 
 
 @triton.jit

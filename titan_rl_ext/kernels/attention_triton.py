@@ -89,7 +89,7 @@ class Launch:
 # the next block ahead, on a 16-row tile (4 queries x GQA 4; 8 warps streamed fastest of the 16/32-row candidates,
 # and each kept the table's bits on the device). Per-tile prefills are compute-bound and the prefetch's registers
 # slow them: they do not. (The timings: docs/benchmarks.md, "Long contexts and full depth".)
-LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1, rows=16, warps=8)}
+LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1)}
 
 
 @triton.jit

@@ -17,24 +17,27 @@ matrix rate measured here).
 Before timing, each context's bits are checked: the split-parallel decode of a sequence's last query equals
 the last row of the trainer's packed launch over the whole sequence (``torch.equal``), and every launch variant
 (software prefetch of the next key block, pipelining stages: ``attention_triton.Launch``) gives the shipped
-launch's bits. Decode variants are captured in a CUDA graph and timed by replay (the engine runs decode
+launch's bits. ``--alt-block-n`` times another key-block width (``n{W}_*``): a different row definition,
+which the trainer and every generator would have to adopt together, so its bits are checked against its own
+packed launch (decode == packed row), not against the shipped table's. Decode variants are captured in a CUDA graph and timed by replay (the engine runs decode
 under graphs: the host's launch cost is not the kernel's); each variant is timed in two interleaved rounds.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
+from contextlib import contextmanager
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import Timer, base_parser, environment, fmt_table, json_saver, print_header, resolve_device  # noqa: E402
 
+from titan_rl_ext.kernels import attention_triton  # noqa: E402
 from titan_rl_ext.kernels.attention_triton import LAUNCH, SPLIT, Launch, bi_attention_fwd  # noqa: E402
 
 N_HEADS, KV_HEADS, HEAD_DIM = 16, 4, 256
@@ -109,6 +112,7 @@ def main() -> int:
     ap.add_argument("--decode", default="8192:1,8,32;32768:1,8,32;65536:1,4", help="ctx:B,B,...;...")
     ap.add_argument("--prefill", default="32768,65536", help="one sequence of each length, in chunks")
     ap.add_argument("--chunk", type=int, default=8192, help="queries per prefill chunk")
+    ap.add_argument("--alt-block-n", default="64", help="other key-block widths to time as whole definitions ('' for none)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -119,6 +123,9 @@ def main() -> int:
         args.decode, args.prefill, args.chunk, args.block_size = f"{SPLIT + 100}:1,2", f"{SPLIT + 40}", 256, 48
     decode = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in args.decode.split(";"))]
     prefill = [int(x) for x in args.prefill.split(",") if x]
+    alt = [int(x) for x in args.alt_block_n.split(",") if x]
+    if bad := [w for w in alt if SPLIT % w]:
+        ap.error(f"--alt-block-n {bad}: a split of {SPLIT} keys must hold whole key blocks")
     print_header(f"bi_attention_long: {N_HEADS}/{KV_HEADS} heads x {HEAD_DIM}, block size {args.block_size}, split {SPLIT}", env)
     results: dict[str, Any] = {"env": env, "args": vars(args), "split": SPLIT, "rows": [], "checks": []}
     save = json_saver(args.out, results, t0)
@@ -142,6 +149,12 @@ def main() -> int:
         dec = bi_attention_fwd(q0[-1:], kc, vc, one, cu[1:], 1, scale, block_table=bt[:1])
         results["checks"].append({"ctx": ctx, "decode_equals_packed": bool(torch.equal(dec, packed[-1:]))})
         print(f"ctx {ctx}: split-parallel decode == packed prefill row: {results['checks'][-1]['decode_equals_packed']}")
+        for w in alt:
+            with _block_n(w):
+                same = torch.equal(bi_attention_fwd(q0[-1:], kc, vc, one, cu[1:], 1, scale, block_table=bt[:1]),
+                                   bi_attention_fwd(q0, k0, v0, cu, cu[1:], ctx, scale, k_start=cu[:1])[-1:])
+            results["checks"].append({"ctx": ctx, "block_n": w, "decode_equals_packed": bool(same)})
+            print(f"ctx {ctx}, key blocks of {w}: split-parallel decode == packed prefill row: {same}")
         del k0, v0, q0, packed
         for B in batches:
             q = torch.randn(B, N_HEADS, HEAD_DIM, device=dev, generator=g).bfloat16()
@@ -157,10 +170,14 @@ def main() -> int:
             for name, how in _launch_variants("split"):
                 variants[name] = lambda how=how: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale, block_table=bt_b,
                                                                   launch=how)
+            for w in alt:
+                variants[f"n{w}_split"] = _with_block_n(w, lambda: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale,
+                                                                                     block_table=bt_b))
             if vllm_run is not None:
                 segm = _segm_buffers(dev)
                 variants["vllm"] = lambda: vllm_run(q, kc, vc, out, cu_q, 1, sl, ctx, bt_b, scale, segm)
-            row = {"variants_equal": _same_bits(variants, exclude=("vllm",))}
+            other_definitions = ("vllm",) + tuple(f"n{w}_split" for w in alt)
+            row = {"variants_equal": _same_bits(variants, exclude=other_definitions)}
             row.update(_time(variants, timer, args.reps, graphs=cuda))
             # a variant whose bits differ is reported and never the fastest
             row["bits_differ"] = [n for n, ok in row["variants_equal"].items() if not ok]
@@ -200,6 +217,8 @@ def main() -> int:
                     cuq = torch.tensor([0, e - s], dtype=torch.int32, device=dev)
                     bi_attention_fwd(q[s:e], kc, vc, cuq, cuq[1:] + s, e - s, scale, block_table=bt, launch=how)
             variants[name] = bi_variant
+        for w in alt:
+            variants[f"n{w}_tile"] = _with_block_n(w, bi_prefill)
         if vllm_run is not None:
             variants["vllm"] = vllm_prefill
         row = _time(variants, timer, max(2, args.reps // 3))
@@ -214,25 +233,25 @@ def main() -> int:
         save()
         print(_line(row))
         del kc, vc, bt, q, out
-    # the shipped launches' bits; candidate tiles (split_m*) report theirs apart
     results["all_bits_equal"] = (all(c["decode_equals_packed"] for c in results["checks"])
-                                 and all(not [n for n in r.get("bits_differ", []) if not n.startswith("split_m")]
-                                         for r in results["rows"]))
+                                 and all(not r.get("bits_differ") for r in results["rows"]))
     bi_cols = sorted({k for r in results["rows"] for k in r if k.endswith("_ms") and k.startswith(("split_", "tile_"))})
+    alt_cols = sorted({k for r in results["rows"] for k in r if k.endswith("_ms") and k[0] == "n" and k[1].isdigit()})
     results["fastest"] = {r["case"]: min([("bi_split", r["bi_split_ms"])] + [(k[:-3], r[k]) for k in bi_cols
                                                                              if k in r and k[:-3] not in r.get("bits_differ", [])],
                                          key=lambda x: x[1]) for r in results["rows"]}
-    results["candidate_tiles_bits"] = {r["case"]: {n: ok for n, ok in r.get("variants_equal", {}).items() if n.startswith("split_m")}
-                                       for r in results["rows"] if "variants_equal" in r}
     save()
     cols = [("case", "case", ""), ("bi_split_ms", "BI split ms", ".4f"), ("bi_tile_ms", "BI per-tile ms", ".4f"),
             ("vllm_ms", "vLLM ms", ".4f"), ("floor_ms", "floor ms", ".4f"), ("bi_over_vllm", "BI/vLLM", ".2f"),
             ("bi_split_spread_pct", "spread %", ".1f")]
     print("\nSUMMARY " + ("bits equal" if results["all_bits_equal"] else "BITS DIFFER"))
     print(fmt_table(results["rows"], cols))
-    print("candidate decode tiles, bits equal to the table's: " + json.dumps(results["candidate_tiles_bits"]))
     print("fastest BI launch per case (bits equal): " + "; ".join(f"{c}: {n} {ms:.4f}" for c, (n, ms) in results["fastest"].items()))
     print(fmt_table(results["rows"], [("case", "case", "")] + [(k, k[:-3], ".4f") for k in bi_cols]))
+    if alt_cols:
+        print("other key-block widths (whole definitions; the shipped table's BI split ms beside them):")
+        print(fmt_table(results["rows"], [("case", "case", ""), ("bi_split_ms", "shipped", ".4f")]
+                        + [(k, k[:-3], ".4f") for k in alt_cols]))
     return 0 if results["all_bits_equal"] else 1
 
 
@@ -245,10 +264,26 @@ def _launch_variants(path: str) -> list[tuple[str, Launch]]:
             how = Launch(prefetch=pf, stages=st)
             if how != shipped:
                 out.append((f"{path}_pf{pf}_st{st}", how))
-    if path == "split":  # other decode tiles (their bits are checked like the rest); m64: the tile table's own
-        tiles = [(f"split_m{r}_w{w}", Launch(prefetch=1, rows=r, warps=w)) for r, w in ((16, 4), (16, 8), (32, 4))]
-        out += [(n, how) for n, how in tiles + [("split_m64", Launch(prefetch=1))] if how != shipped]
     return out
+
+
+@contextmanager
+def _block_n(width: int) -> Iterator[None]:
+    """The tile table with key blocks of ``width`` for this benchmark's head size, for the duration."""
+    key = max(16, 1 << (HEAD_DIM - 1).bit_length())
+    shipped = attention_triton.CONFIGS[key]
+    attention_triton.CONFIGS[key] = (shipped[0], width, *shipped[2:])
+    try:
+        yield
+    finally:
+        attention_triton.CONFIGS[key] = shipped
+
+
+def _with_block_n(width: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with _block_n(width):
+            return fn()
+    return run
 
 
 def _same_bits(variants: dict[str, Callable[[], Any]], exclude: tuple[str, ...]) -> dict[str, bool]:

@@ -71,24 +71,18 @@ _MERGE_UNROLL = 8  # partials loaded per iteration of the fold (independent load
 @dataclass(frozen=True)
 class Launch:
     """How the kernel is launched, apart from what fixes the bits (``CONFIGS``, ``SPLIT``): software
-    prefetch of the next key block, pipelining stages (None: the tile table's), per path.
-
-    ``rows`` / ``warps`` (split path only; None: the tile table's): a decode tile of fewer rows wastes fewer
-    tensor-core rows at GQA 4 (4 real rows of 64). Whether a smaller dot gives each row the table's bits is a
-    property of the GPU's matrix instructions, so a tile ships only after the device check of
-    ``benchmarks/bi_attention_long.py`` (every candidate's bits per case) and ``tests/gpu/test_bi_kernels_cuda.py``.
-    A launch whose queries x group exceed ``rows`` takes the per-tile path, whose bits are the same."""
+    prefetch of the next key block, pipelining stages (None: the tile table's), per path. A decode tile of
+    fewer rows than the table's would waste fewer tensor-core rows at GQA 4, but on the H100 a 16- or 32-row dot
+    is another matrix instruction and rounds some rows differently (docs/benchmarks.md, "Long contexts and full
+    depth"): the tile's shape is part of the definition, not of the launch."""
 
     prefetch: int = 0
     stages: int | None = None
-    rows: int | None = None
-    warps: int | None = None
 
 
 # Split-parallel decode programs only stream keys, with nothing else to hide a block's latency behind: they load
-# the next block ahead, on a 16-row tile (4 queries x GQA 4; 8 warps streamed fastest of the 16/32-row candidates,
-# and each kept the table's bits on the device). Per-tile prefills are compute-bound and the prefetch's registers
-# slow them: they do not. (The timings: docs/benchmarks.md, "Long contexts and full depth".)
+# the next block ahead. Per-tile prefills are compute-bound and the prefetch's registers slow them: they do not.
+# (The timings: docs/benchmarks.md, "Long contexts and full depth".)
 LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1)}
 
 
@@ -385,19 +379,18 @@ def bi_attention_fwd(
     block_d, bm, bn, warps, stages = config_for(H)
     gqa = N // n_kv
     how_split = launch or LAUNCH["split"]
-    split_rows = how_split.rows or bm
     max_splits = triton.cdiv(max(max_keys, 1), SPLIT)
     if split_programs_override is not None:
         n_progs = max(1, min(int(split_programs_override), max_splits))
     else:
         n_progs = split_programs(S, n_kv, max_splits, q_TNH.device)
-    split_out = (max_q * gqa <= split_rows and n_progs > 1
+    split_out = (max_q * gqa <= bm and n_progs > 1
                  and T * N * max_splits * (block_d + 2) * 4 <= _WORKSPACE_CAP)
     if split_out:
         ws_acc = torch.empty(T * N * max_splits, block_d, dtype=torch.float32, device=q_TNH.device)
         ws_ml = torch.empty(T * N * max_splits, 2, dtype=torch.float32, device=q_TNH.device)
         grid = (n_progs, S, n_kv)
-        how, bm, warps = how_split, split_rows, how_split.warps or warps
+        how = how_split
     else:
         ws_acc = ws_ml = o  # unused pointer arguments still need a tensor
         grid = (triton.cdiv(max_q, bm // gqa), S, n_kv)

@@ -92,6 +92,8 @@ class _Rollouts:
     mixed: int
     cursor: PromptCursor
     mine: list[Any]
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    """Rank 0: each group's generation span on the window's clock (``rl/generation_timeline.py``)."""
 
     @property
     def all_samples(self) -> list[Any]:
@@ -369,7 +371,8 @@ class RLTrainer(Trainer):
         mine = [s for i, g in enumerate(groups) if i % self.world == self.rank for s in g]
         if not mine:
             raise ValueError(f"prompts_per_step={len(groups)} leaves rank {self.rank} without groups")
-        return _Rollouts(groups, staleness, dropped, mixed, cursor, mine)
+        spans = [(g.started_at, g.finished_at) for g in batch.groups] if self.rank == 0 else []
+        return _Rollouts(groups, staleness, dropped, mixed, cursor, mine, spans)
 
     def _parity_metrics(self, ro: _Rollouts, packed: Any, lp_re_T: torch.Tensor) -> dict[str, float]:
         """``bit_wise/*`` over tokens sampled with the weights being trained (older tokens differ because
@@ -456,6 +459,7 @@ class RLTrainer(Trainer):
         """5. Metrics (``RUN_DIR/metrics.jsonl``, rollouts, torchtitan's processor) and the evaluation."""
         from titan_rl_ext.rl.advantages import zero_variance_groups
         from titan_rl_ext.rl import metrics as M
+        from titan_rl_ext.rl.generation_timeline import step_timeline
         from titan_rl_ext.rl.metrics import loss_metrics, rollout_metrics
 
         rl = self.config.rl
@@ -502,6 +506,7 @@ class RLTrainer(Trainer):
             **{f"lr/{k}": float(v) for k, v in lr_metrics.items()},
         }
         if self.rank == 0:
+            metrics.update(step_timeline(ro.spans, t_prev, t_end, [s.num_loss_tokens for s in all_samples]))
             metrics.update(self._service.stats())
             if rl.eval_every and (self.step % rl.eval_every == 0 or last):
                 t_eval = time.perf_counter()

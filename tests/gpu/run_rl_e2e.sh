@@ -15,6 +15,18 @@
 #   bash tests/gpu/run_rl_e2e.sh report     # arms.png + rl_gpu.json over the arms found in $OUT (TITAN_GIT names the commit)
 #   bash tests/gpu/run_rl_e2e.sh resume     # the BI window switch and a SIGKILLed trainer's resume, toy size
 #                                           # (tests/gpu/rl_window_resume.py): $OUT/window_resume.json
+# The long-answer recipe `rl_gpu_long` (issue 41: generation dominates the step), the same arms; a 30-step arm
+# outlasts one command, so it runs detached and a command waits for it:
+#   bash tests/gpu/run_rl_e2e.sh long_smoke     # install, then its toy (worked_sum_short), BI on, 3 steps
+#   bash tests/gpu/run_rl_e2e.sh long_setup     # install, build the 1.13 B checkpoint and its chain warm-up (~10 min)
+#   bash tests/gpu/run_rl_e2e.sh long_ckpt_bg   # the same build in the background (the staging command, as ckpt_bg)
+#   WINDOW=4 RUN=1 bash tests/gpu/run_rl_e2e.sh long_titan_bi   # starts one arm (30 steps, RL_STEPS) detached in
+#                                           # /tmp/rl-long/w<WINDOW>/<arm>_r<RUN>, then waits as long_wait does
+#   bash tests/gpu/run_rl_e2e.sh long_wait      # waits up to LONG_WAIT_S (540) for the arm started last; when it has
+#                                           # ended, its metrics.jsonl, run_env.json, plots and log tails land in
+#                                           # $OUT/long/w<WINDOW>/<arm>_r<RUN> (exit 3: still running, wait again)
+# run_env.json records the GPU, versions, recipe, window, run and commit (TITAN_GIT, TITAN_GIT_TREE, else git) for
+# `python -m titan_rl_ext.tools.rl_arms --windows` (docs/training.md, "Long answers").
 # A stage that needs the checkpoint builds it first when this machine has none (a fresh lease).
 set -uo pipefail
 out=${OUT:-/tmp/rl-gpu}
@@ -41,7 +53,12 @@ save_triton_cache() {
     [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }
 }
 trap save_triton_cache EXIT
-what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume}
+what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume | long_*}
+# which checkpoint a stage needs, and the markers of its (background) build
+case $what in
+    long_*) ckpt_fn=long_rl_checkpoint ready=/tmp/rlcache/.long_ready building=/tmp/rlcache/.long_building ;;
+    *) ckpt_fn=gpu_rl_checkpoint ready=/tmp/rlcache/.ready building=/tmp/rlcache/.building ;;
+esac
 
 install() {
     [ -f /tmp/titan-site/.installed ] && return 0
@@ -50,45 +67,73 @@ install() {
     touch /tmp/titan-site/.installed
 }
 checkpoint() {
-    python3 -c "from titan_rl_ext.configs.rl import gpu_rl_checkpoint; print(gpu_rl_checkpoint())" > "$out/setup.log" 2>&1 \
+    python3 -c "from titan_rl_ext.configs.rl import $ckpt_fn; print($ckpt_fn())" > "$out/setup.log" 2>&1 \
         || { tail -20 "$out/setup.log"; return 1; }
     tail -3 "$out/setup.log"
 }
-if [ "${1:-}" = ckpt_bg ]; then  # before install(): the trainer's wheels and vLLM need not be here yet
-    [ -f /tmp/rlcache/.ready ] && { echo "checkpoint already built"; exit 0; }
+wait_for_checkpoint() {  # a background build (ckpt_bg, long_ckpt_bg) if one runs, else build it here
+    local t=$(date +%s)
+    while [ -f $building ] && [ ! -f $ready ]; do sleep 2; done
+    [ $(( $(date +%s) - t )) -gt 2 ] && { echo "waited $(( $(date +%s) - t )) s for the background checkpoint build"; tail -2 /tmp/rlcache/build.log; }
+    [ -f $ready ] || { checkpoint && touch $ready; }
+}
+if [ "$what" = ckpt_bg ] || [ "$what" = long_ckpt_bg ]; then  # before install(): the trainer's wheels and vLLM need not be here yet
+    [ -f $ready ] && { echo "checkpoint already built"; exit 0; }
     python3 -m pip install -q --no-deps --no-index --no-build-isolation --target /tmp/ckpt-site . .whl/fla_core-*.whl \
         2>&1 | grep -v "WARNING: Target directory"
-    mkdir -p /tmp/rlcache && touch /tmp/rlcache/.building
+    mkdir -p /tmp/rlcache && touch $building
     # setsid: a process in its own session outlives this command while the machine stays up
-    PYTHONPATH=/tmp/ckpt-site setsid nohup bash -c 'cd /tmp && python3 -c "from titan_rl_ext.configs.rl import \
-gpu_rl_checkpoint; print(gpu_rl_checkpoint())" > /tmp/rlcache/build.log 2>&1 && touch /tmp/rlcache/.ready; \
-rm -f /tmp/rlcache/.building' > /dev/null 2>&1 < /dev/null &
+    PYTHONPATH=/tmp/ckpt-site setsid nohup bash -c "cd /tmp && python3 -c 'from titan_rl_ext.configs.rl import \
+$ckpt_fn; print($ckpt_fn())' > /tmp/rlcache/build.log 2>&1 && touch $ready; rm -f $building" > /dev/null 2>&1 < /dev/null &
     trap - EXIT
     echo "checkpoint build started in the background (log: /tmp/rlcache/build.log)"; exit 0
 fi
 install || { echo "install failed"; exit 1; }
 
+arm_flags() {  # the generator arm's trainer flags
+    case $1 in
+        titan_bi|smoke|long_smoke) echo --rl.batch-invariant-steps 1000000 ;;
+        native) echo --rl.server-model-impl auto ;;
+    esac
+}
+# the detached long arm started last: wait for it (up to LONG_WAIT_S), then bring its files back in $OUT
+long_wait() {
+    local run t=$(date +%s) seen=""
+    run=$(cat /tmp/rl-long/current 2>/dev/null) || { echo "no long arm was started on this machine"; return 2; }
+    while [ ! -f "$run/rc" ] && [ $(( $(date +%s) - t )) -lt ${LONG_WAIT_S:-540} ]; do
+        local last; last=$(grep "RL step" "$run/train.log" 2>/dev/null | tail -1 | cut -c60-)
+        [ -n "$last" ] && [ "$last" != "$seen" ] && { echo "$(( $(date +%s) - t )) s: $last"; seen=$last; }
+        sleep 15
+    done
+    local back="$out/long/${run#/tmp/rl-long/}"
+    mkdir -p "$back"
+    cp "$run/metrics.jsonl" "$run/run_env.json" "$back/" 2>/dev/null
+    [ -f "$run/rc" ] || { echo "$run still running (step: $seen); wait again"; return 3; }
+    local rc; rc=$(cat "$run/rc")
+    echo "$run rc=$rc"; grep "RL step" "$run/train.log" | sed -n '1,2p;$p' | cut -c60-
+    grep -v "^\[rank" "$run/train.log" | tail -200 > "$back/train_tail.log"
+    tail -200 "$run/server.log" > "$back/server_tail.log" 2>/dev/null
+    python3 -m titan_rl_ext.tools.plot "$run" --out "$back/plots" > /dev/null 2>&1
+    [ "$rc" = 0 ] || tail -30 "$back/train_tail.log"
+    return "$rc"
+}
+
 case $what in
-setup)
+setup|long_setup)
     t=$(date +%s); checkpoint || exit 1; echo "checkpoint + warm-up in $(( $(date +%s) - t )) s"
     python3 -c "from titan_rl_ext.compat import patch_torchtitan; patch_torchtitan(); import torchtitan.trainer; print('torchtitan imports')" 2>&1 | tail -2
     python3 -c "import vllm.entrypoints.openai.api_server; print('the vLLM OpenAI server imports')" 2>&1 | tail -2
     ;;
-smoke|titan_bi|titan|native)
+smoke|long_smoke|titan_bi|titan|native)
     config=rl_gpu_hybrid steps=${RL_STEPS:-40}
     if [ $what = smoke ]; then config=rl_gpu_hybrid_toy steps=${RL_STEPS:-6}
+    elif [ $what = long_smoke ]; then config=rl_gpu_long_toy steps=${RL_STEPS:-3}
     else
         t=$(date +%s)
-        while [ -f /tmp/rlcache/.building ] && [ ! -f /tmp/rlcache/.ready ]; do sleep 2; done  # a ckpt_bg build
-        [ $(( $(date +%s) - t )) -gt 2 ] && { echo "waited $(( $(date +%s) - t )) s for the background checkpoint build"; tail -2 /tmp/rlcache/build.log; }
-        [ -f /tmp/rlcache/.ready ] || { checkpoint && touch /tmp/rlcache/.ready; } || exit 1
+        wait_for_checkpoint || exit 1
         [ -n "${ARM_BUDGET:-}" ] && export ARM_TIMEOUT=$(( ARM_BUDGET - ($(date +%s) - t) ))
     fi
-    case $what in
-        titan_bi|smoke) arm=(--rl.batch-invariant-steps 1000000) ;;
-        titan) arm=() ;;
-        native) arm=(--rl.server-model-impl auto) ;;
-    esac
+    read -ra arm <<< "$(arm_flags $what)"
     rm -rf "$out/$what" "/tmp/dump_$what"
     t=$(date +%s)
     timeout ${ARM_TIMEOUT:-570} python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train \
@@ -107,6 +152,36 @@ resume)
     # the device returns a handful of files: both runs' logs, metrics and rollouts travel as one archive
     tar -czf "$out/resume_runs.tar.gz" -C "$out" resume_a resume_b && rm -rf "$out/resume_a" "$out/resume_b"
     exit $rc
+    ;;
+long_titan_bi|long_titan|long_native)
+    wait_for_checkpoint || exit 1
+    a=${what#long_} window=${WINDOW:-4} r=${RUN:-1} steps=${RL_STEPS:-30}
+    run=/tmp/rl-long/w$window/${a}_r$r
+    rm -rf "$run" "/tmp/dump_long_$a" && mkdir -p "$run" && echo "$run" > /tmp/rl-long/current
+    python3 - "$run/run_env.json" "$a" "$r" "$window" "$steps" <<'PY'
+import json, os, subprocess, sys
+from importlib.metadata import version
+import torch
+path, arm, run, window, steps = sys.argv[1:]
+env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": version("vllm"), "recipe": "rl_gpu_long",
+       "arm": arm, "run": int(run), "offpolicy": int(window), "rl_steps": int(steps)}
+for key, var, rev in (("git", "TITAN_GIT", "HEAD"), ("git_tree", "TITAN_GIT_TREE", "HEAD^{tree}")):
+    found = subprocess.run(["git", "rev-parse", rev], capture_output=True, text=True)
+    value = os.environ.get(var) or (found.stdout.strip() if found.returncode == 0 else "")
+    if value:
+        env[key] = value
+open(path, "w").write(json.dumps(env, indent=1))
+PY
+    # the window's every version kept for the exact stale gap; setsid: the run outlives this command
+    cmd=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train
+         --module titan_rl_ext.configs --config rl_gpu_long --training.steps "$steps" --rl.offpolicy "$window"
+         --rl.stale-gap-versions $(( window + 1 )) --rl.run-dir "$run" --dump-folder "/tmp/dump_long_$a" $(arm_flags $a))
+    setsid nohup bash -c "$(printf '%q ' "${cmd[@]}") > $run/train.log 2>&1; echo \$? > $run/rc" > /dev/null 2>&1 < /dev/null &
+    echo "started $a (window $window, run $r, $steps steps) in $run"
+    long_wait; exit $?
+    ;;
+long_wait)
+    long_wait; exit $?
     ;;
 report)
     arms=(); for a in native titan titan_bi; do [ -f "$out/$a/metrics.jsonl" ] && arms+=("$a=$out/$a"); done

@@ -161,10 +161,14 @@ long_titan_bi|long_titan|long_native)
     python3 - "$run/run_env.json" "$a" "$r" "$window" "$steps" <<'PY'
 import json, os, subprocess, sys
 from importlib.metadata import version
+from pathlib import Path
 import torch
+from titan_rl_ext.configs.rl import long_rl_checkpoint
 path, arm, run, window, steps = sys.argv[1:]
 env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": version("vllm"), "recipe": "rl_gpu_long",
-       "arm": arm, "run": int(run), "offpolicy": int(window), "rl_steps": int(steps)}
+       "arm": arm, "run": int(run), "offpolicy": int(window), "rl_steps": int(steps),
+       # each lease builds its own start: which warm-up this arm started from
+       "warmup": json.loads((Path(long_rl_checkpoint()) / "warmup.json").read_text())}
 for key, var, rev in (("git", "TITAN_GIT", "HEAD"), ("git_tree", "TITAN_GIT_TREE", "HEAD^{tree}")):
     found = subprocess.run(["git", "rev-parse", rev], capture_output=True, text=True)
     value = os.environ.get(var) or (found.stdout.strip() if found.returncode == 0 else "")

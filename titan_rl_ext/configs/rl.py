@@ -337,6 +337,9 @@ def rl_native_cpu() -> Any:
 
 LONG_TASK = "worked_sum"
 LONG_WARMUP_TARGET = 0.2
+# a step bound before the time bound: a lease builds its own checkpoint, and arms on other leases should start
+# from the same procedure, not from however far eight minutes got
+LONG_WARMUP_STEPS = 200
 LONG_MAX_TOKENS = 4608  # the longest reference chain (~4.2 K tokens) and room to go wrong
 LONG_MAX_MODEL_LEN = 6144  # the longest prompt (~0.8 K tokens) + LONG_MAX_TOKENS fits
 LONG_OFFPOLICY = 4  # the issue's other window: --rl.offpolicy 12 --rl.stale-gap-versions 13
@@ -408,7 +411,7 @@ def long_memory_split(shape: Mapping[str, Any], *, seqs: int, max_model_len: int
 def long_rl_checkpoint(toy: bool = False, verbose: bool = True) -> str:
     """The long recipe's start (built once, cached): ``long_shape()`` (1.13 B parameters, HF's own
     initialisation, the VLM layout), after the supervised warm-up on ``worked_sum``'s reference chains
-    (``rl.chain_warmup``) up to an expected reward of 0.2 or eight minutes, on the GPU when there is one.
+    (``rl.chain_warmup``) up to an expected reward of 0.2, 200 steps or eight minutes, on the GPU when there is one.
     ``toy``: the tiny shape on ``worked_sum_short``, for the CPU run of the same recipe."""
     from titan_rl_ext.rl.chain_warmup import chain_warmup
 
@@ -417,7 +420,8 @@ def long_rl_checkpoint(toy: bool = False, verbose: bool = True) -> str:
         name, {} if toy else long_shape(), toy, f"{name}_{task}_{int(LONG_WARMUP_TARGET * 100)}",
         lambda init, out, device: chain_warmup(init, out, task=task, target=LONG_WARMUP_TARGET,
                                                lr=1e-3 if toy else 3e-4, batch_size=32 if toy else 8,
-                                               max_seconds=120 if toy else 480, device=device, verbose=verbose))
+                                               max_steps=LONG_WARMUP_STEPS, max_seconds=120 if toy else 480,
+                                               device=device, verbose=verbose))
 
 
 def _set_arg(args: list[str], flag: str, value: str) -> list[str]:

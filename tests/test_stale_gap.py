@@ -98,3 +98,38 @@ def test_kept_versions_are_copies_and_the_recompute_copies_nothing(tiny_ckpt) ->
     gap.remember(2, live)
     gap.remember(3, live)
     assert sorted(gap.history) == [2, 3]
+
+
+def test_recompute_in_loss_chunks_gives_the_one_pass_bits(tiny_ckpt) -> None:
+    """The recompute runs in the trainer's loss chunks (``chunk_tokens``: whole samples, a longer one alone) so a
+    long-answer step's stale samples do not take one forward's memory; under batch invariance the chunks give
+    the one pass's logprobs bit for bit, and the gap against one-sequence-at-a-time logprobs stays 0."""
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.models.hf import load_hf_model
+    from titan_rl_ext.rl.loss_chunks import loss_chunks
+    from titan_rl_ext.rl.samples import pack_samples
+    from titan_rl_ext.rl.stale_gap import StaleGap
+
+    model_dir = tiny_ckpt("qwen3_5", layout="text")
+    model, _ = load_hf_model(model_dir)
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    chunk = 24
+    samples = []
+    with batch_invariant(True):
+        for p, c in [(4, 6), (5, 9), (6, 26), (3, 5), (7, 8)]:  # 6 + 26 tokens: longer than a chunk
+            ids = torch.randint(3, 200, (p + c,), generator=g).tolist()
+            samples.append(Sample(prompt_ids=ids[:p], completion_ids=ids[p:], gen_logprobs=_logprobs(model, ids)[p:],
+                                  token_versions=[1] * c, loss_mask=[True] * c, reward=0.0, finish_reason="stop",
+                                  group_id=0, num_turns=1))
+        gap = StaleGap(keep=2, model_dir=str(model_dir), chunk_tokens=chunk)
+        gap.remember(1, model.state_dict())
+        packed = pack_samples(samples)
+        assert len(loss_chunks(packed.lengths, chunk)) >= 3 and max(packed.lengths) > chunk
+        m = gap.metrics(samples, current=2, dtype=torch.float32, device=torch.device("cpu"))
+        chunked_T = gap.recompute(packed, 1, torch.float32)
+        gap.chunk_tokens = 0
+        one_pass_T = gap.recompute(packed, 1, torch.float32)
+    assert m["bit_wise_stale/num_tokens"] == 54 and m["bit_wise_stale/logprob_diff/max"] == 0.0, m
+    assert torch.equal(chunked_T.isnan(), one_pass_T.isnan())
+    assert torch.equal(chunked_T.nan_to_num(), one_pass_T.nan_to_num())

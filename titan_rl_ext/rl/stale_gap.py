@@ -11,6 +11,11 @@ every push copies the model device to host and every recompute copies it back. S
 versions stay on the compute device when ``keep`` of them take at most a quarter of its free memory (a
 device-to-device clone per push, no copy per recompute: the second model's parameters are pointed at the kept
 tensors), and on the CPU otherwise (a 9B model next to its generator).
+
+The recompute runs in the trainer's loss chunks (``chunk_tokens``, ``rl.loss_chunk_tokens``: whole samples, a
+longer one alone): one version's stale samples of a long-answer step are hundreds of thousands of tokens, whose
+single forward would take tens of GB beside a trainer and generator budgeted to fill the GPU. Under batch invariance the chunks'
+logprobs are the one pass's bit for bit (a row's bits do not depend on the rows packed with it).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ _AUTO_FREE_FRACTION = 0.25
 
 
 class StaleGap:
-    def __init__(self, keep: int, model_dir: str, device: str = "auto") -> None:
+    def __init__(self, keep: int, model_dir: str, device: str = "auto", chunk_tokens: int = 0) -> None:
         if device not in DEVICES:
             raise ValueError(f"stale gap device must be one of {DEVICES}, got {device!r}")
         self.keep, self.model_dir, self.device = keep, model_dir, device
+        self.chunk_tokens = chunk_tokens  # tokens a recompute pass takes at most (0: one pass)
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch: Any = None  # the second model, built on first use
         self._store: torch.device | None = None  # where the versions live, chosen at the first remember
@@ -71,13 +77,33 @@ class StaleGap:
                 else:  # the conversion load_state_dict's copy_ would make
                     mine.data = w.to(mine.device, mine.dtype)
 
+    def recompute(self, packed: Any, version: int, dtype: torch.dtype) -> torch.Tensor:
+        """The logprobs ``[T]`` of ``packed``'s samples (``pack_samples``, on the device to compute on) under
+        ``version``'s weights, one loss chunk of samples at a time. Call with the step's batch-invariance setting."""
+        import itertools
+
+        from titan_rl_ext.models.common.batch import SeqBatch
+        from titan_rl_ext.models.hf import load_hf_model
+        from titan_rl_ext.rl.logprobs import token_logprobs
+        from titan_rl_ext.rl.loss_chunks import loss_chunks
+
+        device = packed.tokens_T.device
+        if self._scratch is None:
+            self._scratch, _ = load_hf_model(self.model_dir, dtype=dtype, device=device)
+            self._scratch.eval()
+        self._use(version)
+        starts = list(itertools.accumulate(packed.lengths, initial=0))
+        lps = []
+        with torch.no_grad():
+            for lo, hi in loss_chunks(packed.lengths, self.chunk_tokens):
+                seqs = SeqBatch.from_lengths(packed.lengths[lo:hi], device=device)
+                lps.append(token_logprobs(self._scratch, packed.tokens_T[starts[lo]:starts[hi]], seqs))
+        return torch.cat(lps)
+
     def metrics(self, samples: list[Any], current: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
         """Over the tokens of ``samples`` exact at a remembered version other than ``current``
         (``Sample.exact_versions``: a multi-turn sample whose turns a swap separates is compared turn by
         turn, each at its own version). Call with the step's batch-invariance setting."""
-        from titan_rl_ext.models.common.batch import SeqBatch
-        from titan_rl_ext.models.hf import load_hf_model
-        from titan_rl_ext.rl.logprobs import token_logprobs
         from titan_rl_ext.rl.metrics import gap_metrics
         from titan_rl_ext.rl.samples import exact_at_mask, pack_samples
 
@@ -95,18 +121,12 @@ class StaleGap:
                 else:
                     skipped += 1
         gen, ours = [], []
-        if by_version:
-            if self._scratch is None:
-                self._scratch, _ = load_hf_model(self.model_dir, dtype=dtype, device=device)
-                self._scratch.eval()
-            for v, group in sorted(by_version.items()):
-                self._use(v)
-                packed = pack_samples(group, device=device)
-                with torch.no_grad():
-                    lp_T = token_logprobs(self._scratch, packed.tokens_T, SeqBatch.from_lengths(packed.lengths, device=device))
-                at_v_T = exact_at_mask(group, v, device=device)
-                gen.append(packed.gen_logprobs_T[at_v_T])
-                ours.append(lp_T[at_v_T])
+        for v, group in sorted(by_version.items()):
+            packed = pack_samples(group, device=device)
+            lp_T = self.recompute(packed, v, dtype)
+            at_v_T = exact_at_mask(group, v, device=device)
+            gen.append(packed.gen_logprobs_T[at_v_T])
+            ours.append(lp_T[at_v_T])
         out = gap_metrics(torch.cat(gen) if gen else torch.zeros(0), torch.cat(ours) if ours else torch.zeros(0),
                           "bit_wise_stale")
         out["bit_wise_stale/skipped_samples"] = skipped

@@ -155,7 +155,8 @@ class RLTrainer(Trainer):
         self._service: RolloutService | None = None
         self._t_prev_end: float | None = None  # the last step's end (perf/trainer/tokens_per_second_full_step)
         self._phases = PhaseTimer(self.device)  # perf/trainer/<phase>/{host,device}_s
-        self._stale = StaleGap(rl.stale_gap_versions, rl.model_dir, rl.stale_gap_device)  # bit_wise_stale/*
+        self._stale = StaleGap(rl.stale_gap_versions, rl.model_dir, rl.stale_gap_device,
+                               rl.loss_chunk_tokens)  # bit_wise_stale/*
         self._eval_items: list[Any] = []
         self._mlog: Any = None
         self._started = False
@@ -253,29 +254,35 @@ class RLTrainer(Trainer):
         return served
 
     def _warm_kernels(self) -> None:
-        """One forward and backward of a synthetic batch shaped like a step's share, under the first step's
-        kernel setting, while a spawned generator boots: on a fresh machine the trainer's Triton kernels
-        compile and autotune here instead of after the generator is up (on a cold cache they are most of the BI
-        arm's first step, and the generator's boot hid none of it: docs/benchmarks.md, "The RL loop on the
-        GPU"), and a step that does not fit in memory
-        fails before any rollout. No weight changes: the gradients are dropped."""
+        """Forward and backward of a synthetic batch shaped like a step's share, in its loss chunks
+        (``rl.loss_chunk_tokens``), under the first step's kernel setting, while a spawned generator boots: on a
+        fresh machine the trainer's Triton kernels compile and autotune here instead of after the generator is up
+        (on a cold cache they are most of the BI arm's first step, and the generator's boot hid none of it:
+        docs/benchmarks.md, "The RL loop on the GPU"), and a step whose loss chunk does not fit in memory fails
+        before any rollout. One chunk of each shape: the step's samples are all the same length here, so the
+        other chunks would compile nothing and peak no higher. No weight changes: the gradients are dropped."""
         from titan_rl_ext.kernels.batch_invariant import batch_invariant
         from titan_rl_ext.models.common.batch import SeqBatch
         from titan_rl_ext.rl.logprobs import token_logprobs
+        from titan_rl_ext.rl.loss_chunks import loss_chunks
 
         rl = self.config.rl
         t0 = time.perf_counter()
         model = self.model_parts[0]
         n = max(1, rl.prompts_per_step * rl.group_size // self.world)
         lens = [32 + rl.max_tokens] * n  # a prompt of a few dozen tokens and a full completion
+        # the largest first, so a chunk that does not fit fails at once; every rank runs the same chunks (FSDP)
+        shapes = sorted({hi - lo for lo, hi in loss_chunks(lens, rl.loss_chunk_tokens)}, reverse=True)
         g = torch.Generator().manual_seed(0)  # not the global generator: the run's randomness stays as it was
-        tokens_T = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=g).to(self.device)
         with batch_invariant(self._bi_at(self.step)):
-            lp_T = token_logprobs(model, tokens_T, SeqBatch.from_lengths(lens, device=self.device))
-            lp_T[~lp_T.isnan()].sum().backward()
+            for k in shapes:
+                tokens_T = torch.randint(0, model.config.vocab_size, (k * lens[0],), generator=g).to(self.device)
+                lp_T = token_logprobs(model, tokens_T, SeqBatch.from_lengths(lens[:k], device=self.device))
+                lp_T[~lp_T.isnan()].sum().backward()
         self.optimizers.zero_grad(set_to_none=True)
         if self.rank == 0:
-            logger.info("RL: kernels warmed in %.1f s (%d tokens)%s", time.perf_counter() - t0, sum(lens),
+            logger.info("RL: kernels warmed in %.1f s (%d tokens: %d loss chunk(s), one of each size)%s",
+                        time.perf_counter() - t0, sum(shapes) * lens[0], len(shapes),
                         " while the generator boots" if rl.spawn_server else "")
 
     def _bi_at(self, step: int) -> bool:

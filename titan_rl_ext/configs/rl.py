@@ -441,8 +441,7 @@ def _long_recipe(toy: bool) -> Any:
     exact stale gap (kept on the CPU: whether they fit ``auto``'s quarter of the GPU's free memory depends on the
     card, and the memory split counts none on the GPU), DAPO, loss chunks of one longest sample, the generator's
     memory share from ``long_memory_split``, 30 steps. No per-request sampling seeds (vLLM samples seeded requests one by one), no
-    rollouts file (~6 MB of token ids a step, written on the trainer's clock), no kernel warm-up pass (it runs the
-    whole step's tokens in one pass, not in loss chunks)."""
+    rollouts file (~6 MB of token ids a step, written on the trainer's clock)."""
     import torch
 
     cfg = _gpu_recipe(toy, hf_dir=long_rl_checkpoint(toy))
@@ -458,7 +457,7 @@ def _long_recipe(toy: bool) -> Any:
         rl, task="worked_sum_short" if toy else LONG_TASK, max_tokens=192 if toy else LONG_MAX_TOKENS,
         server_args=server, num_producers=rl.prompts_per_step, offpolicy=LONG_OFFPOLICY, stale_gap_versions=LONG_OFFPOLICY + 1,
         stale_gap_device="cpu", loss_chunk_tokens=0 if toy else LONG_MAX_MODEL_LEN, seeded_sampling=False,
-        log_rollouts=False, warm_kernels=toy)
+        log_rollouts=False)
     cfg.training.steps = 3 if toy else 30
     cfg.dump_folder = str(cache_dir() / "outputs" / ("rl_long_toy" if toy else "rl_long"))
     return cfg

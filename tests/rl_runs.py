@@ -1,5 +1,5 @@
-"""Helpers for tests that run the RL trainer as a process and kill it (``test_rl_resume.py`` on CPU,
-``tests/gpu/rl_window_resume.py`` on the GPU)."""
+"""Helpers for tests that run the RL trainer as a process and kill it (``test_rl_resume.py`` and
+``test_rl_agents.py`` on CPU, ``tests/gpu/rl_window_resume.py`` on the GPU)."""
 
 from __future__ import annotations
 

@@ -8,13 +8,16 @@ and stale ones (sampled by older weights, recomputed with those) at every step."
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from rl_runs import kill_tree, records
 from test_rl_train import _train_env
 
 pytestmark = pytest.mark.slow
@@ -22,30 +25,84 @@ pytestmark = pytest.mark.slow
 if importlib.util.find_spec("bm25s") is None:
     pytest.skip("bm25s absent: the 'agents' extra (scripts/setup.sh installs it)", allow_module_level=True)
 
+RECIPES = ["rl_search_cpu", "rl_terminal_cpu", "rl_verifiers_cpu"]
+TIMEOUT_S = 600
 
-@pytest.mark.parametrize("recipe", ["rl_search_cpu", "rl_terminal_cpu", "rl_verifiers_cpu"])
-def test_agent_recipe_exact_over_multi_turn_samples(tmp_path: Path, recipe: str) -> None:
-    from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION
 
+def _cannot_run(recipe: str) -> str | None:
+    """Why ``recipe`` cannot run here (skipped), or None."""
     if recipe == "rl_verifiers_cpu":
         from test_verifiers_env import NO_VERIFIERS
 
-        if NO_VERIFIERS:
-            pytest.skip(NO_VERIFIERS)
+        return NO_VERIFIERS
     if recipe == "rl_terminal_cpu":
         from titan_rl_ext.rl.envs.sandbox import network_isolation_problem
 
-        if problem := network_isolation_problem():
-            pytest.skip(problem)
-    run = tmp_path / "run"
+        return network_isolation_problem()
+    return None
+
+
+@dataclass
+class RecipeRun:
+    """A 3-step run of one recipe (torchrun, its own spawned server), started in the background."""
+
+    dir: Path
+    proc: subprocess.Popen[bytes]
+    started: float
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "train.log"
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(max(1.0, self.started + TIMEOUT_S - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            raise AssertionError(f"no exit in {TIMEOUT_S} s:\n{self.log.read_text(errors='replace')[-6000:]}") from None
+
+
+def _start(recipe: str, tmp_path: Path) -> RecipeRun:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", recipe,
-           "--training.steps", "3", "--rl.run-dir", str(run), "--dump-folder", str(tmp_path / "dump")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_train_env(tmp_path, tmp_path / "cache"),
-                       cwd=tmp_path)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rolls = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+           "--training.steps", "3", "--rl.run-dir", str(tmp_path / "run"), "--dump-folder", str(tmp_path / "dump")]
+    with (tmp_path / "train.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_train_env(tmp_path, tmp_path / "cache"),
+                                cwd=tmp_path)
+    return RecipeRun(tmp_path, proc, time.monotonic())
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RecipeRun]]:
+    """Every collected recipe's run, all started at once: a run's trainer and its generator mostly take turns
+    (the trainer waits for rollouts, the server for the next push), so side by side they fill the cores one run
+    leaves idle. Each run is a process tree of its own (trainer, server, sandboxes or verifiers' runner, caches
+    in its own folder); what the tests assert depends on no timing (where swaps land only moves which tokens
+    are fresh and which stale, and each kind is compared exactly)."""
+    wanted = [r for r in RECIPES if any(getattr(item, "callspec", None) is not None and item.module is request.module
+                                        and item.callspec.params.get("recipe") == r for item in request.session.items)]
+    runs: dict[str, RecipeRun] = {}
+    try:
+        for recipe in wanted:
+            if _cannot_run(recipe) is None:
+                runs[recipe] = _start(recipe, tmp_path_factory.mktemp(recipe))
+        yield runs
+    finally:
+        for run in runs.values():
+            if run.proc.poll() is None:
+                kill_tree(run.proc)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_agent_recipe_exact_over_multi_turn_samples(recipe_runs: dict[str, RecipeRun], recipe: str) -> None:
+    from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION
+
+    if why := _cannot_run(recipe):
+        pytest.skip(why)
+    r = recipe_runs[recipe]
+    assert r.wait() == 0, r.log.read_text(errors="replace")[-6000:]
+    run = r.dir / "run"
+    recs, rolls = records(run / "metrics.jsonl"), records(run / "rollouts.jsonl")
     assert [x["step"] for x in recs] == [1, 2, 3]
     assert recs[0]["bit_wise/num_tokens"] > 0 and recs[0]["bit_wise/logprob_diff/max"] == 0.0, recs[0]
     env_tokens = stale = across = 0

@@ -27,7 +27,7 @@
 #                                              # answers of 1-4K tokens, on dense32 (LONG_CONFIGS, LONG_SEQUENTIAL=1: one engine
 #                                              # at a time, LONG_MERGE=earlier.json to join an earlier call's engines)
 #   bash tests/gpu/run_vllm_e2e.sh profile  # one profiled generate call per workload: CUDA kernels by time
-#                                           # (PROFILE_CONFIGS, default titan,titan_bi; native_graphs takes ~300 s more;
+#                                           # (PROFILE_CKPT dense|dense32, PROFILE_CONFIGS, default titan,titan_bi; native_graphs takes ~300 s more;
 #                                           #  HOST_PROFILE=1: also cProfile each decode call: the host's time by function)
 # Results (logs, JSON) go to $OUT (default /tmp/e2e-gpu).
 set -uo pipefail
@@ -162,7 +162,8 @@ if [[ $what == bench_long ]]; then
         --out "$out/throughput_long.json" --serving-json "$out/serving_long.json" --timeout 400 2>&1 | tee "$out/throughput_long.log" | tail -20
 fi
 if [[ $what == profile ]]; then
-    timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/dense --native-dir $ck/dense_vlm \
+    pc=${PROFILE_CKPT:-dense}  # dense32: the full-depth checkpoints of setup_long
+    timeout 580 python3 benchmarks/vllm_throughput.py --model-dir $ck/$pc --native-dir $ck/${pc}_vlm \
         --configs ${PROFILE_CONFIGS:-titan,titan_bi} --batch-sizes ${PROFILE_BATCH_SIZES:-1,256} --decode-tokens 16 --reps 1 --sequential \
         --profile ${HOST_PROFILE:+--host-profile} --out "$out/profile.json" --timeout 400 > "$out/profile.log" 2>&1
     echo "profile rc=$?"; grep -A40 "^PROFILE" "$out/profile.log" | grep -E "^PROFILE|by category" ; grep -A12 "^HOST PROFILE" "$out/profile.log"; grep -B2 -A5 FAILED "$out/profile.log" | tail -20

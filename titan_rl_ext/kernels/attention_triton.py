@@ -56,7 +56,7 @@ CONFIGS: dict[int, tuple[int, int, int, int]] = {
     32: (64, 64, 4, 2),
     64: (64, 64, 4, 3),
     128: (64, 64, 4, 3),
-    256: (64, 32, 8, 2),
+    256: (64, 64, 8, 2),
 }
 # Keys per split. Part of every row's definition (trainer and generator alike); a multiple of every BLOCK_N.
 # 512 keys of a 256-wide KV head are 512 KiB of bf16 K+V: a program's partial (a few KiB) is ~1 % of it,

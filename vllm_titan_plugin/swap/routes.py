@@ -22,6 +22,8 @@ handed to the intake of its transport (``swap.intake``) and the swap (``swap.orc
   start-up, ``P``: the weights listener).
 - ``GET /titan/v1/weights/checksums`` (token required) -> per-parameter sha256 of the live weights.
 - ``POST /titan/v1/batch_invariant?enabled=0|1`` (token required): the BI switch.
+- vLLM's ``/finish_weight_update`` of a server started with the ``titan_gloo`` weight-transfer engine becomes a
+  commit of the staged transfer through the same swap (``swap.transfer_commit``, docs/transfer_engines.md).
 
 Reading and validating a payload happen on whichever event loop serves the route (the listener's own,
 see ``swap.listener``); everything that talks to the engine runs on the API server's loop, where vLLM's
@@ -99,6 +101,11 @@ def _error(status: int, message: str, tensors: list[str] | None = None) -> Any:
 def make_router(state: SwapState) -> Any:
     from fastapi import APIRouter
 
+    from vllm_titan_plugin.swap import transfer_commit
+
+    # vLLM's own /finish_weight_update (a dev route, behind the push token) on a server whose weight-transfer
+    # backend is titan_gloo commits through this server's swap path (swap.transfer_commit)
+    transfer_commit.bind(state)
     router = APIRouter()
 
     @router.get(VERSION_ROUTE, response_model=VersionResponse)

@@ -80,10 +80,10 @@ class Launch:
     stages: int | None = None
 
 
-# Split-parallel decode programs only stream keys, with nothing else to hide a block's latency behind: they load
-# the next block ahead. Per-tile prefills are compute-bound and the prefetch's registers slow them: they do not.
+# With key blocks of 64 at head size 256 neither path gains from loading the next block ahead in software (the
+# split-parallel decode lost 5-12 % with it, the prefill 15 %): the table's pipelining stages alone.
 # (The timings: docs/benchmarks.md, "Long contexts and full depth".)
-LAUNCH = {"tile": Launch(), "split": Launch(prefetch=1)}
+LAUNCH = {"tile": Launch(), "split": Launch()}
 
 
 @triton.jit

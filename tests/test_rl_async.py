@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from titan_rl_ext.rl.async_loop import AsyncRLLoop, ManualClock, OffPolicyWindow
+from rl_async_harness import AsyncRLLoop
+
+from titan_rl_ext.rl.async_loop import ManualClock, OffPolicyWindow
 from titan_rl_ext.rl.metrics import (
     DROPPED_STALE,
     LOGPROB_DIFF_ABS_MEAN,

@@ -10,6 +10,7 @@ import torch
 
 from titan_rl_ext.models.architectures import architecture_of
 from titan_rl_ext.models.common.decoder import Decoder, DecoderConfig
+from titan_rl_ext.models.common.lora import is_lora_param, reset_lora
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError, HFStateDictAdapter
 
 
@@ -62,7 +63,14 @@ def load_hf_model(
     with torch.device("meta"):
         model = cfg.build()
     model.to_empty(device=device)
-    model.load_state_dict(sd, strict=True, assign=False)
+    if cfg.lora is None:
+        model.load_state_dict(sd, strict=True, assign=False)
+    else:  # the base checkpoint has no adapters: they start fresh (``models.peft_adapter`` loads trained ones)
+        result = model.load_state_dict(sd, strict=False, assign=False)
+        bad = [k for k in result.missing_keys if not is_lora_param(k)] + list(result.unexpected_keys)
+        if bad:
+            raise CheckpointMismatchError(f"checkpoint does not fit the LoRA model: {bad[:10]}")
+        reset_lora(model)
     model.to(dtype)
     model.rope.reset_parameters()  # inv_freq stays fp32 whatever the model dtype (as in training and vLLM)
     return model, adapter

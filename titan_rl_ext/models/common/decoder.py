@@ -20,6 +20,7 @@ from titan_rl_ext.kernels import ops
 from titan_rl_ext.kernels.lm_head import head_logits_fp32, token_logprobs_fused
 from titan_rl_ext.models.common.attention import Attention, KVState
 from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.common.lora import LoRAConfig, apply_lora
 from titan_rl_ext.models.common.mlp import FeedForward
 from titan_rl_ext.models.common.moe import MoE, MoEConfig
 from titan_rl_ext.models.common.norms import RMSNorm
@@ -51,6 +52,8 @@ class DecoderConfig:
     layer_types: list[str] = field(default_factory=list)  # empty: all full attention
     moe: MoEConfig | None = None
     init_std: float = 0.02
+    # adapters on named projections, base weights frozen (``common.lora``); not part of HF checkpoints
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -128,6 +131,8 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.zero_centered_norm)
         # Tied: no separate parameter, the head reads tok_embeddings.weight (one tensor to shard/sync).
         self.output = None if cfg.tie_embeddings else ops.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.lora is not None:
+            apply_lora(self, cfg.lora)
 
     # -- weights -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -12,6 +12,7 @@ present, each with the part's row count) and ``to_hf`` splits them back, so a ro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import defaultdict
@@ -93,8 +94,8 @@ class HFStateDictAdapter:
         self.config = config
         self.layout: TextLayout = layout
         self.expert_layout: ExpertLayout = expert_layout
-        with torch.device("meta"):
-            model = config.build()
+        with torch.device("meta"):  # LoRA adapters are no part of an HF checkpoint (``models.peft_adapter``)
+            model = dataclasses.replace(config, lora=None).build()
         self.expected: dict[str, torch.Size] = {k: v.shape for k, v in model.state_dict().items()}
         # merged parameter (titan key) -> its parts' row counts, read off the model's MergedLinear modules
         self.merged_parts: dict[str, tuple[int, ...]] = {
@@ -243,6 +244,16 @@ class HFStateDictAdapter:
         assert m is not None
         module, param = m.group(2).rsplit(".", 1)
         return [f"{prefix}layers.{m.group(1)}.{hf}.{param}" for hf in _MERGED[module]]
+
+    def hf_modules(self, titan_module: str) -> list[str]:
+        """HF module names of a titan linear (``layers.0.attention.wqkv``), one per part in column order, in the
+        layout ``from_hf`` last saw."""
+        key = f"{titan_module}.weight"
+        if key in self.merged_parts:
+            names = self._part_names(key, self.text_prefixes[self.layout])
+        else:
+            names = list(self.to_hf({key: torch.empty(0)}, _partial=True))
+        return [n.removesuffix(".weight") for n in names]
 
     def _hf_name(self, titan_key: str) -> str:
         """Best-effort HF name of a titan key, for error messages."""

@@ -144,3 +144,77 @@ def test_swap_mid_prefill_starts_the_prompt_over(tiny_ckpt, monkeypatch) -> None
         ids_swap, lps_swap, _ = run("mid", swap_after_steps=1)
         ids_new, lps_new, _ = run("after", swap_after_steps=None)
     assert ids_swap == ids_new and torch.equal(torch.tensor(lps_swap), torch.tensor(lps_new)), (lps_swap, lps_new)
+
+
+class _Req:
+    """Stands in for vLLM's ``RequestState``: a plain object (weak-referenceable, like the real one)."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id, self.n = request_id, n
+        self.detokenizer = SimpleNamespace(num_output_tokens=lambda: self.n)
+
+
+def test_commit_tags_a_request_finished_before_the_swap_task_resumed() -> None:
+    """vLLM's socket task can read the swap utility's answer and the next step's outputs in one go (zmq returns
+    ready messages without yielding): with the output handler already woken by an earlier output, it processes
+    the post-swap step -- finishing the request and dropping it from ``request_states`` -- before the swap's
+    task resumes and commits. The finished request's last token came from the new weights and must say so.
+    Driven through ``orchestrator._set_version`` and asyncio's own scheduling, as vLLM's loop runs them."""
+    import asyncio
+    import gc
+    import weakref
+
+    from vllm_titan_plugin.swap import orchestrator
+    from vllm_titan_plugin.swap.ledger import VersionLedger
+    from vllm_titan_plugin.swap.tagging import RequestVersions
+
+    async def run() -> tuple[RequestVersions, list[bool], weakref.ref[Any]]:
+        loop = asyncio.get_running_loop()
+        request_states: dict[str, Any] = {}
+        utility: list[asyncio.Future[Any]] = []
+
+        async def call_utility_async(method: str, *args: Any) -> Any:
+            utility.append(loop.create_future())
+            return await utility[0]
+
+        engine = SimpleNamespace(output_processor=SimpleNamespace(request_states=request_states),
+                                 engine_core=SimpleNamespace(call_utility_async=call_utility_async))
+        ledger = VersionLedger(version=0)
+        req, cell = _Req("a", 2), RequestVersions()
+        request_states["a"] = req
+        ledger.on_register(req)
+        cell.add(req, None, 0)  # the HTTP request's hold on its state
+        outputs: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        present_at_commit: list[bool] = []
+
+        async def output_handler() -> None:  # AsyncLLM.output_handler: one token per output here
+            while True:
+                rid, finished = await outputs.get()
+                request_states[rid].n += 1
+                if finished:
+                    request_states.pop(rid)  # OutputProcessor._finish_request
+                outputs.task_done()
+
+        handler = asyncio.create_task(output_handler())
+        swap = asyncio.create_task(orchestrator._set_version(
+            SimpleNamespace(ledger=ledger, engine=engine), 1, "titan_set_weight_version", 1))
+        await asyncio.sleep(0)
+        assert utility and not handler.done()
+        # one run of the socket task: step k (token 2, old weights), the utility's answer (the engine held
+        # "a" with 3 tokens), step k+1 (token 3, new weights, finishes "a")
+        outputs.put_nowait(("a", False))
+        utility[0].set_result({"counts": {"a": 3}, "in_flight": 1, "resalted": 0})
+        outputs.put_nowait(("a", True))
+        await outputs.join()
+        present_at_commit.append("a" in request_states)
+        await swap
+        handler.cancel()
+        assert ledger.version == 1
+        return cell, present_at_commit, weakref.ref(req)
+
+    cell, present, ref = asyncio.run(run())
+    assert present == [False]  # the race happened: the state was gone from request_states before the commit
+    assert cell.spans(0) == [[0, 0, 3], [1, 3, 4]]
+    del cell
+    gc.collect()
+    assert ref() is None  # the ledger does not keep finished requests alive

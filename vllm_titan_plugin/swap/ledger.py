@@ -13,13 +13,21 @@ nothing a release may lack (vLLM 0.26 stamps no version on engine outputs):
   the swap (all its tokens are new).
 
 The result is per-request spans ``(version, first output-token index)`` that do not depend on when the API
-server gets around to sending a chunk. ``begin`` is called right before the version-setting utility is
-sent, ``commit`` with its answer, ``cancel`` when it failed or did nothing. Everything runs on the API
-server's event loop (registration, output processing and the swap), so no lock is needed.
+server gets around to sending a chunk. Nor on when it gets around to the utility's answer: the answer and the
+next step's outputs can arrive in one read of the engine's socket, and vLLM's output handler, already woken by
+an earlier output, may process that step -- finishing a request and dropping its output state from
+``OutputProcessor.request_states`` -- before the swap's task resumes to ``commit``. So ``commit`` finds a
+request's state through the ledger's own map of registered states (weak: a state lives as long as its HTTP
+request holds it), not only through the API server's unfinished ones.
+
+``begin`` is called right before the version-setting utility is sent, ``commit`` with its answer, ``cancel``
+when it failed or did nothing. Everything runs on the API server's event loop (registration, output
+processing and the swap), so no lock is needed.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from vllm_titan_plugin import compat
@@ -34,11 +42,19 @@ class VersionLedger:
         self.version = version  # the engine's version as the API server last learnt it
         self._pending: int | None = None  # a version-setting utility is on its way to the engine core
         self._during: dict[int, Any] = {}  # id -> request state registered while it was
+        # engine request id -> output state, finished ones included while their HTTP request still holds them
+        self._registered: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
     def on_register(self, request_state: Any) -> None:
         """A request's output state was just registered: its ADD message is sent in this same turn."""
         if self._pending is not None:
             self._during[id(request_state)] = request_state
+        rid = getattr(request_state, "request_id", None)
+        if rid is not None:
+            try:
+                self._registered[rid] = request_state
+            except TypeError:  # not weak-referenceable (vLLM's RequestState is): found via request_states only
+                pass
         setattr(request_state, STARTS_ATTR, [(self.version if self._pending is None else self._pending, 0)])
 
     def begin(self, version: int) -> None:
@@ -47,10 +63,14 @@ class VersionLedger:
 
     def commit(self, version: int, counts: dict[str, int], request_states: dict[str, Any]) -> None:
         """The utility set ``version``; ``counts``: output tokens of each request the engine core held then.
-        Requests it did not hold had finished (all old) or were registered after ``begin`` (all new)."""
+        Requests it did not hold had finished (all old) or were registered after ``begin`` (all new).
+        ``request_states`` (the API server's unfinished requests) may already lack a request the engine
+        held: its post-swap tokens were processed, and finished it, before this ran."""
         version = int(version)
         for rid, n in counts.items():
-            state = request_states.get(rid)
+            state = self._registered.get(rid)
+            if state is None:
+                state = request_states.get(rid)
             starts = getattr(state, STARTS_ATTR, None)
             if starts is not None and id(state) not in self._during:
                 starts.append((version, int(n)))

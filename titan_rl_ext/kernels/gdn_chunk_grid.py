@@ -29,6 +29,7 @@ Layouts as ``kernels.gdn``: q/k ``[T, H, K]`` (already L2-normalised), v ``[T, H
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -191,9 +192,10 @@ def boundary_states(
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
     dev = v_THV.device
     cu, seq = chunk_bounds(cu_seqlens, chunk)
-    first = [0]
-    for n in range(N):
-        first.append(first[-1] + sum(1 for s in seq if s == n))
+    per_seq = [0] * N
+    for n in seq:
+        per_seq[n] += 1
+    first = list(itertools.accumulate(per_seq, initial=0))  # each sequence's first chunk (chunks are in order)
     n_chunks = len(seq)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
     first_t = torch.tensor(first, dtype=torch.int32, device=dev)

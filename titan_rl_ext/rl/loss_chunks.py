@@ -8,7 +8,7 @@ row's bits do not depend on the rows packed with it), which keeps the parity met
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,17 @@ def loss_chunks(lengths: Sequence[int], max_tokens: int) -> list[tuple[int, int]
     return out
 
 
+def packed_chunks(packed: Any, max_tokens: int) -> Iterator[tuple[int, int, slice, Any]]:
+    """Per loss chunk of ``packed`` (``pack_samples``): ``(lo, hi, token slice, SeqBatch)`` -- its samples'
+    range, their tokens' range in ``packed``'s layout and the chunk's sequence bounds on ``packed``'s device."""
+    from titan_rl_ext.models.common.batch import SeqBatch
+
+    starts = list(itertools.accumulate(packed.lengths, initial=0))
+    for lo, hi in loss_chunks(packed.lengths, max_tokens):
+        yield lo, hi, slice(starts[lo], starts[hi]), SeqBatch.from_lengths(packed.lengths[lo:hi],
+                                                                           device=packed.tokens_T.device)
+
+
 def forward_backward(model: torch.nn.Module, packed: Any, adv_N: torch.Tensor, loss_fn: Any, norm: dict[str, Any],
                      max_tokens: int, old_logprobs: str = "generator",
                      grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -36,17 +47,13 @@ def forward_backward(model: torch.nn.Module, packed: Any, adv_N: torch.Tensor, l
     slice of it (gradients accumulate in ``model``; each chunk's loss times ``grad_scale`` is what is
     backpropagated). ``adv_N``: one advantage per sample. Returns the detached logprobs ``[T]`` in
     ``packed``'s layout, the summed loss and its metrics (token-weighted means over the chunks)."""
-    from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.rl.advantages import broadcast_to_tokens
     from titan_rl_ext.rl.logprobs import token_logprobs
 
-    starts = list(itertools.accumulate(packed.lengths, initial=0))
     lps, loss, parts = [], torch.zeros((), device=packed.tokens_T.device), []
-    for lo, hi in loss_chunks(packed.lengths, max_tokens):
-        t = slice(starts[lo], starts[hi])
+    for lo, hi, t, seqs in packed_chunks(packed, max_tokens):
         lengths = packed.lengths[lo:hi]
         tokens_T, mask_T, lp_gen_T = packed.tokens_T[t], packed.loss_mask_T[t], packed.gen_logprobs_T[t]
-        seqs = SeqBatch.from_lengths(lengths, device=tokens_T.device)
         lp_new_T = token_logprobs(model, tokens_T, seqs)
         adv_T = broadcast_to_tokens(adv_N[lo:hi], lengths=lengths, mask_T=mask_T)
         lp_old_T = lp_gen_T if old_logprobs == "generator" else lp_new_T.detach()

@@ -80,25 +80,18 @@ class StaleGap:
     def recompute(self, packed: Any, version: int, dtype: torch.dtype) -> torch.Tensor:
         """The logprobs ``[T]`` of ``packed``'s samples (``pack_samples``, on the device to compute on) under
         ``version``'s weights, one loss chunk of samples at a time. Call with the step's batch-invariance setting."""
-        import itertools
-
-        from titan_rl_ext.models.common.batch import SeqBatch
         from titan_rl_ext.models.hf import load_hf_model
         from titan_rl_ext.rl.logprobs import token_logprobs
-        from titan_rl_ext.rl.loss_chunks import loss_chunks
+        from titan_rl_ext.rl.loss_chunks import packed_chunks
 
         device = packed.tokens_T.device
         if self._scratch is None:
             self._scratch, _ = load_hf_model(self.model_dir, dtype=dtype, device=device)
             self._scratch.eval()
         self._use(version)
-        starts = list(itertools.accumulate(packed.lengths, initial=0))
-        lps = []
         with torch.no_grad():
-            for lo, hi in loss_chunks(packed.lengths, self.chunk_tokens):
-                seqs = SeqBatch.from_lengths(packed.lengths[lo:hi], device=device)
-                lps.append(token_logprobs(self._scratch, packed.tokens_T[starts[lo]:starts[hi]], seqs))
-        return torch.cat(lps)
+            return torch.cat([token_logprobs(self._scratch, packed.tokens_T[t], seqs)
+                              for _, _, t, seqs in packed_chunks(packed, self.chunk_tokens)])
 
     def metrics(self, samples: list[Any], current: int, dtype: torch.dtype, device: torch.device) -> dict[str, float]:
         """Over the tokens of ``samples`` exact at a remembered version other than ``current``

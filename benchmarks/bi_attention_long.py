@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--decode", default="8192:1,8,32;32768:1,8,32;65536:1,4", help="ctx:B,B,...;...")
     ap.add_argument("--prefill", default="32768,65536", help="one sequence of each length, in chunks")
     ap.add_argument("--chunk", type=int, default=8192, help="queries per prefill chunk")
-    ap.add_argument("--alt-block-n", default="64", help="other key-block widths to time as whole definitions ('' for none)")
+    ap.add_argument("--alt-block-n", default="", help="other key-block widths to time as whole definitions, e.g. 32,128")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -270,7 +270,7 @@ def _launch_variants(path: str) -> list[tuple[str, Launch]]:
 @contextmanager
 def _block_n(width: int) -> Iterator[None]:
     """The tile table with key blocks of ``width`` for this benchmark's head size, for the duration."""
-    key = max(16, 1 << (HEAD_DIM - 1).bit_length())
+    key = attention_triton.config_for(HEAD_DIM)[0]  # the table's key: the head size padded as the kernel pads it
     shipped = attention_triton.CONFIGS[key]
     attention_triton.CONFIGS[key] = (shipped[0], width, *shipped[2:])
     try:

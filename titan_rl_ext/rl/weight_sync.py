@@ -3,8 +3,8 @@
 The generators run vLLM with ``--model-impl titan`` and ``TITAN_SWAP_TOKEN`` set
 (``vllm_titan_plugin.swap_endpoint``). ``WeightPusher`` addresses them (their weights listener or OpenAI
 port, requests signed for each server's boot) and pushes through the transport named by ``transport``
-(``titan_rl_ext.rl.transports``: ``safetensors`` bytes over HTTP, never pickle, or ``cuda_ipc`` handles on
-one host). Each server validates all of a push before touching any weight and swaps in place.
+(``titan_rl_ext.rl.transports``: ``safetensors`` bytes over HTTP, never pickle, ``cuda_ipc`` handles on
+one host, or ``titan_gloo``/``titan_gloo_relay``: a broadcast through vLLM's weight-transfer calls). Each server validates all of a push before touching any weight and swaps in place.
 ``checksum`` is the function both sides use, so the trainer can compare its tensors with
 ``GET /titan/v1/weights/checksums`` bit for bit.
 """
@@ -47,8 +47,10 @@ class WeightPusher:
     """
 
     def __init__(self, urls: list[str], token: str, timeout_s: float = 600.0, transport: str = "safetensors",
-                 use_listener: bool = True, pause: bool = False) -> None:
-        """``transport``: a name registered in ``titan_rl_ext.rl.transports``."""
+                 use_listener: bool = True, pause: bool = False,
+                 transport_options: Mapping[str, Any] | None = None) -> None:
+        """``transport``: a name registered in ``titan_rl_ext.rl.transports``; ``transport_options``: that
+        transport's own settings (``titan_gloo``: its store's address and port, bucket size, ...)."""
         if not urls:
             raise ValueError("WeightPusher needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -58,6 +60,7 @@ class WeightPusher:
         self.use_listener = use_listener  # False: push through the OpenAI port (what a listener-less server has)
         self.pause = pause  # True: the servers pause their scheduler around the copy (the long way)
         self.transport_name = transport
+        self.transport_options = dict(transport_options or {})
         self.transport: WeightTransport = make_transport(transport, self)
 
     def push(self, state_dict: Mapping[str, torch.Tensor], version: int, mode: str = "keep") -> list[dict[str, Any]]:
@@ -82,6 +85,10 @@ class WeightPusher:
         ``urls`` order (what a fleet needs to decide who stays in the rollout pool). ``on_result`` gets each
         server's as soon as it answers (from a pusher thread), before the slowest server has."""
         params = self._params(version, mode)
+        # a broadcast transport reaches every generator in one collective, not one send per generator
+        push_all: Callable[..., list[PushResult]] | None = getattr(self.transport, "push_all", None)
+        if push_all is not None:
+            return push_all(self.urls, state_dict, params, on_result)
         return push_through(self.transport, self.urls, self.transport.stage(state_dict), params, on_result)
 
     def _params(self, version: int, mode: str) -> dict[str, str]:
@@ -160,6 +167,29 @@ class WeightPusher:
 
     def _boot_at(self, base: str) -> str | None:
         return self._discover(base, timeout_cap_s=10.0)[0]
+
+    def boot_id(self, url: str) -> str | None:
+        """The boot id the server at ``url`` answers with now; None when it cannot be reached."""
+        return self._boot_at(url)
+
+    def dev_post(self, url: str, path: str, body: Mapping[str, Any] | None = None) -> PushResult:
+        """POST a JSON ``body`` to one of vLLM's dev routes (``/update_weights`` ...) on the server's OpenAI
+        port, signed for its boot like a push (the routes are behind the push token there); the answer as a
+        ``PushResult``, never raised."""
+        import requests
+
+        try:
+            headers = self._signed(url, "POST", path, {}, content_type="application/json")
+            r = requests.post(f"{url}{path}", json=body, headers=headers, timeout=self.timeout_s)
+        except (requests.RequestException, WeightPushError) as e:
+            return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
+        if r.status_code == 200:
+            return {"url": url, "ok": True, "status": 200, "response": r.json()}
+        try:
+            detail: Any = r.json()
+        except ValueError:
+            detail = r.text[:2000]
+        return {"url": url, "ok": False, "status": r.status_code, "error": detail}
 
     def _signed(self, url: str, method: str, path: str, params: Mapping[str, str], boot: str | None = None,
                 content_type: str = OCTET_STREAM) -> dict[str, str]:

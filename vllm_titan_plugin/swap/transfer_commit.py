@@ -1,4 +1,4 @@
-"""API-server side of the ``titan_gloo`` weight-transfer engine (``swap.transfer_engine``): vLLM's
+"""API-server side of the ``titan_gloo`` (and ``titan_nccl``) weight-transfer engine (``swap.transfer_engine``): vLLM's
 ``finish_weight_update(weight_version)`` becomes a titan commit.
 
 vLLM's own ``AsyncLLM.finish_weight_update`` tells the workers the update is over and then sets the engine
@@ -26,6 +26,7 @@ from vllm_titan_plugin.swap.validate import PushRejected
 logger = logging.getLogger("vllm.titan_plugin")
 
 BACKEND = "titan_gloo"  # transfer_engine.NAME (not imported: that module imports vLLM's engine classes)
+BACKENDS = (BACKEND, "titan_nccl")  # transfer_engine.TORCH_BACKEND's names: the same engine over gloo or NCCL
 COMMIT_METHOD = "titan_commit_transfer"  # transfer_engine.COMMIT_METHOD
 _MARK = "__titan_transfer_commit__"
 _STATE: list[SwapState] = []  # this API server's swap state, once its routes exist
@@ -76,7 +77,7 @@ def bind(state: SwapState) -> None:
 
     @functools.wraps(orig)
     async def finish_weight_update(self: Any, weight_version: str | None = None) -> None:
-        if not _STATE or backend_of(self) != BACKEND:
+        if not _STATE or backend_of(self) not in BACKENDS:
             return await orig(self, weight_version)
         from fastapi import HTTPException
 

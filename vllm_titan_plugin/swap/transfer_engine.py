@@ -33,11 +33,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from vllm_titan_plugin.swap import relay
 from vllm_titan_plugin.swap.validate import ST_DTYPE, name_list, spec_problems
 
 logger = logging.getLogger("vllm.titan_plugin")
 
 NAME = "titan_gloo"
+NCCL_NAME = "titan_nccl"  # the same engine on GPU: the trainer's group is NCCL, tensors land on the worker's device
+TORCH_BACKEND = {NAME: relay.GLOO, NCCL_NAME: relay.NCCL}
+NAME_FORMATS = ("hf", "titan")
 COMMIT_METHOD = "titan_commit_transfer"
 DEFAULT_TIMEOUT_S = 120.0
 _DTYPES = {str(dt).removeprefix("torch."): dt for dt in ST_DTYPE}  # "float32" -> torch.float32, ...
@@ -46,21 +50,48 @@ _DTYPES = {str(dt).removeprefix("torch."): dt for dt in ST_DTYPE}  # "float32" -
 @dataclass
 class TitanGlooInitInfo(WeightTransferInitInfo):
     """The same fields as vLLM's NCCL engine: the trainer hosts the rendezvous store at
-    ``master_address:master_port`` as rank 0; this worker joins as ``rank_offset + its rank``."""
+    ``master_address:master_port`` as rank 0; this worker joins as ``rank_offset + its rank``.
+
+    Optional fields our trainer (``titan_rl_ext.rl.transports.vllm_transfer``) adds: ``group_name``, a key
+    prefix on the trainer's store (it rebuilds groups on one store, so each build needs its own prefix); and
+    the per-host relay (``swap.relay``): ``relay_group`` (prefix of this host's local group), ``relay_rank``
+    (0: the lead, which is also in the trainer's group; >= 1: a follower, in the local group only) and
+    ``relay_size`` (the host's engines)."""
 
     master_address: str
     master_port: int
-    rank_offset: int
-    world_size: int
+    rank_offset: int = 0
+    world_size: int = 0
     # per collective (rendezvous, each tensor's broadcast): a trainer that dies mid-transfer would otherwise
     # hold the worker -- and with it the engine core's loop, so generation -- for gloo's default 30 minutes
     timeout_s: float = DEFAULT_TIMEOUT_S
+    group_name: str | None = None
+    relay_group: str | None = None
+    relay_rank: int = 0
+    relay_size: int = 0
+
+    @property
+    def follower(self) -> bool:
+        return self.relay_group is not None and self.relay_rank >= 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= 3600:
             raise ValueError(f"timeout_s must be a number of seconds in (0, 3600], got {self.timeout_s!r}")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port number, got {self.master_port!r}")
+        for name in ("group_name", "relay_group"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 200):
+                raise ValueError(f"{name} must be a non-empty string of at most 200 characters, got {value!r}")
+        if self.relay_group is not None:
+            if self.group_name is None:
+                raise ValueError("relay_group needs group_name (both groups live on the trainer's store)")
+            if not isinstance(self.relay_size, int) or self.relay_size < 2:
+                raise ValueError(f"relay_size must be >= 2 (the lead and a follower), got {self.relay_size!r}")
+            if not isinstance(self.relay_rank, int) or not 0 <= self.relay_rank < self.relay_size:
+                raise ValueError(f"relay_rank must be in [0, relay_size={self.relay_size}), got {self.relay_rank!r}")
+        if self.follower:
+            return  # not in the trainer's group: rank_offset and world_size are not used
         if not isinstance(self.rank_offset, int) or self.rank_offset < 1:
             raise ValueError(f"rank_offset must be >= 1 (rank 0 is the trainer), got {self.rank_offset!r}")
         if not isinstance(self.world_size, int) or self.world_size <= self.rank_offset:
@@ -69,11 +100,17 @@ class TitanGlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class TitanGlooUpdateInfo(WeightTransferUpdateInfo):
-    """One chunk: the tensors the trainer broadcasts next, in this order (HF checkpoint names)."""
+    """One chunk: the tensors the trainer broadcasts next, in this order (HF checkpoint names).
+
+    Optional, from our trainer: ``packed`` (the chunk's tensors travel as one uint8 buffer laid out by
+    ``relay.packed_layout``: one collective per chunk instead of one per tensor) and ``name_format``
+    (``"titan"``: the names are the served model's own, no HF adapter in between)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    packed: bool = False
+    name_format: str = "hf"
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
@@ -84,57 +121,111 @@ class TitanGlooUpdateInfo(WeightTransferUpdateInfo):
         if bad := [n for n, s in zip(self.names, self.shapes)
                    if not isinstance(s, list) or not all(isinstance(d, int) and d >= 0 for d in s)]:
             raise ValueError(f"shapes must be lists of non-negative integers: {name_list(bad)}")
+        if self.name_format not in NAME_FORMATS:
+            raise ValueError(f"name_format must be one of {NAME_FORMATS}, got {self.name_format!r}")
+        if not isinstance(self.packed, bool):
+            raise ValueError(f"packed must be true or false, got {self.packed!r}")
 
 
 class TitanGlooWeightTransferEngine(WeightTransferEngine[TitanGlooInitInfo, TitanGlooUpdateInfo]):
     init_info_cls = TitanGlooInitInfo
     update_info_cls = TitanGlooUpdateInfo
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.group: Any = None
-        # HF name -> received tensor, since the last start_weight_update; only the commit reads it
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None  # the trainer's broadcast group (None on a relay follower)
+        self.fanout: relay.LocalFanout | None = None  # this host's engines, when the trainer uses the relay
+        self.lead = False  # in the trainer's group and rank 0 of a host group: passes every buffer on
+        self.joined = False
+        # name -> received tensor, since the last start_weight_update; only the commit reads it
         self.staged: dict[str, torch.Tensor] = {}
+        self.staged_format: str | None = None  # "hf" or "titan": one per update session
+        # the backend named in --weight-transfer-config picks the group: gloo into host memory (CPU), or NCCL
+        # into the worker's device (GPU); the rest of the engine is the same code
+        self.torch_backend = TORCH_BACKEND.get(getattr(config, "backend", NAME), relay.GLOO)
+        self.device = torch.device(device) if self.torch_backend == relay.NCCL else torch.device("cpu")
 
     def init_transfer_engine(self, init_info: TitanGlooInitInfo) -> None:
-        from datetime import timedelta
-
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        if self.group is not None:  # a second trainer (or a restarted one) replaces the first
+        if self.joined:  # a second trainer (or a restarted one, or a rebuilt group) replaces the first
             self.shutdown()
-        # a group of its own: the worker's default group (if any) is untouched, and this worker only dials
-        # the trainer's store (the trainer listens, as with vLLM's NCCL engine)
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.master_address, init_info.master_port, init_info.rank_offset + self.parallel_config.rank,
-            init_info.world_size, backend="gloo", timeout=timedelta(seconds=init_info.timeout_s))
+        rank = init_info.rank_offset + self.parallel_config.rank
+        if init_info.group_name is None:
+            # a foreign trainer: vLLM's stateless group (rank 0 hosts the store; this worker only dials it)
+            from datetime import timedelta
+
+            from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+            self.group = stateless_init_torch_distributed_process_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                backend=self.torch_backend, timeout=timedelta(seconds=init_info.timeout_s))
+            self.joined = True
+            return
+        # our trainer: every group on its one store, each under its own prefix
+        store = relay.client_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
+        if not init_info.follower:
+            self.group = relay.process_group(store, init_info.group_name, rank, init_info.world_size,
+                                             self.torch_backend, init_info.timeout_s)
+        if init_info.relay_group is not None:
+            self.fanout = relay.make_fanout(store, init_info.relay_group, init_info.relay_rank, init_info.relay_size,
+                                            self.torch_backend, init_info.timeout_s)
+            self.lead = not init_info.follower
+        self.joined = True
 
     def start_weight_update(self) -> None:
-        self.staged = {}  # what an earlier, never-committed transfer left is dropped here
+        self.staged, self.staged_format = {}, None  # what an earlier, never-committed transfer left is dropped here
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host
         self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _receive(self, buf: torch.Tensor) -> None:
+        """One buffer from the trainer (directly, or through this host's lead), passed on if this is a lead."""
+        if self.group is not None:
+            # group-local root 0 (the trainer): torch.distributed.broadcast would translate a global rank
+            self.group.broadcast(buf, 0).wait()
+            if self.lead and self.fanout is not None:
+                self.fanout.pass_on(buf)
+        elif self.fanout is not None:
+            self.fanout.take(buf)
+        else:
+            raise RuntimeError(f"{NAME}: no trainer group yet; call init_weight_transfer_engine first")
 
     def receive_weights(self, update_info: TitanGlooUpdateInfo) -> None:
-        if self.group is None:
+        if not self.joined:
             raise RuntimeError(f"{NAME}: no trainer group yet; call init_weight_transfer_engine first")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-            if name in self.staged:
-                raise ValueError(f"{NAME}: tensor {name!r} sent twice in one weight update")
-            t = torch.empty(shape, dtype=_DTYPES[dtype_name], device="cpu")
-            # group-local root 0 (the trainer): torch.distributed.broadcast would translate a global rank
-            self.group.broadcast(t, 0).wait()
+        if self.staged_format not in (None, update_info.name_format):
+            raise ValueError(f"{NAME}: one weight update mixes {self.staged_format!r} and "
+                             f"{update_info.name_format!r} names")
+        if dup := [n for n in update_info.names if n in self.staged] or \
+                [n for i, n in enumerate(update_info.names) if n in update_info.names[:i]]:
+            raise ValueError(f"{NAME}: tensors sent twice in one weight update: {name_list(dup)}")
+        self.staged_format = update_info.name_format
+        dtypes = [_DTYPES[d] for d in update_info.dtype_names]
+        if update_info.packed:
+            _, total = relay.packed_layout(dtypes, update_info.shapes)
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            self._receive(buf)
+            self.staged.update(zip(update_info.names, relay.unpack(buf, dtypes, update_info.shapes)))
+            return
+        for name, dtype, shape in zip(update_info.names, dtypes, update_info.shapes):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self._receive(t)
             self.staged[name] = t
 
     def finish_weight_update(self) -> None:
         # the commit (titan_commit_transfer) has run, or been refused, before this: nothing staged survives
-        self.staged = {}
+        self.staged, self.staged_format = {}, None
 
     def shutdown(self) -> None:
-        self.staged = {}
-        if self.group is not None:
-            group, self.group = self.group, None
+        self.staged, self.staged_format = {}, None
+        group, self.group = self.group, None
+        fanout, self.fanout = self.fanout, None
+        self.lead = self.joined = False
+        if fanout is not None:
+            fanout.close()
+        if group is not None:
             try:
                 group.shutdown()
             except Exception as e:  # a trainer already gone: the group is dead either way
@@ -143,19 +234,23 @@ class TitanGlooWeightTransferEngine(WeightTransferEngine[TitanGlooInitInfo, Tita
 
 def staged_commit(worker: Any) -> int | dict[str, Any]:
     """Inside a worker, between engine steps: the staged HF tensors -> titan names (the served model's
-    adapter) -> checked whole (names, shapes, dtypes, NaN/Inf) -> copied in place. Answers the tensor count,
+    adapter; our trainer sends titan names already) -> checked whole (names, shapes, dtypes, NaN/Inf) -> copied in place. Answers the tensor count,
     or ``{"problems": ...}`` with nothing copied; the staging is dropped either way."""
     from vllm_titan_plugin import compat
     from vllm_titan_plugin.swap.targets import TitanTarget, target_of
 
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, TitanGlooWeightTransferEngine):
-        return {"problems": [f"this server's weight-transfer engine is {type(engine).__name__}, not {NAME}"],
+        return {"problems": [f"this server's weight-transfer engine is {type(engine).__name__}, not {NAME}"
+                             f" or {NCCL_NAME}"],
                 "tensors": [], "status": 409}
     staged, engine.staged = engine.staged, {}
+    names_are, engine.staged_format = engine.staged_format, None
     if not staged:
         return {"problems": ["no tensors were received since start_weight_update"], "tensors": [], "status": 422}
     target = target_of(worker)
+    if names_are == "titan":  # our trainer sends the served model's own names: no adapter in between
+        return _checked_copy(target, staged)
     adapter = getattr(target, "adapter", None)
     if isinstance(target, TitanTarget):
         adapter = getattr(compat.worker_model(worker), "adapter", None)
@@ -166,6 +261,11 @@ def staged_commit(worker: Any) -> int | dict[str, Any]:
     except Exception as e:  # the adapter names what is missing or unexpected: a refusal, nothing copied
         return {"problems": [f"the HF tensors do not map onto the served model: {e}"], "tensors": [],
                 "status": 422}
+    return _checked_copy(target, titan)
+
+
+def _checked_copy(target: Any, titan: dict[str, torch.Tensor]) -> int | dict[str, Any]:
+    """The whole model checked (names, shapes, dtypes, NaN/Inf) before the first copy."""
     got = {n: [ST_DTYPE.get(t.dtype, str(t.dtype)), list(t.shape)] for n, t in titan.items()}
     if problems := spec_problems(target.spec(), got):
         return {"problems": problems, "tensors": [], "status": 422}
@@ -186,8 +286,9 @@ class TitanTransferExtension:
 
 def register() -> None:
     """Idempotent (vLLM's factory refuses a second registration of a name)."""
-    if NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(NAME, TitanGlooWeightTransferEngine)
+    for name in TORCH_BACKEND:
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, TitanGlooWeightTransferEngine)
 
 
 register()

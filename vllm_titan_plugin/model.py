@@ -19,6 +19,7 @@ import torch.nn as nn
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.decoder import FULL_ATTENTION, Decoder
+from titan_rl_ext.models.common.lora import is_lora_param, lora_from_hf_config, zero_lora
 from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError
 from titan_rl_ext.models.architectures import architecture_of
 from titan_rl_ext.models.hf import adapter_for, config_from_hf
@@ -41,6 +42,9 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
         self.hf_config: dict[str, Any] = mc.hf_config.to_dict()
         self.architecture = architecture_of(self.hf_config).name
         cfg = config_from_hf(self.hf_config)
+        # LoRA adapters named by ``--hf-overrides '{"titan_lora": {...}}'`` (a bad value stops the server here): the
+        # trainer's adapter modules, so that the trainer's adapter pushes (``swap``) land in the same computation
+        cfg.lora = lora_from_hf_config(self.hf_config)
         self.adapter = adapter_for(self.hf_config, cfg)
         # M-RoPE checkpoints (Qwen3.5 VLM) make vLLM pass positions [num_dims, T]; text rows are equal.
         self._mrope_dims: int = getattr(mc, "mrope_num_dims", 3) if getattr(mc, "uses_mrope", False) else 0
@@ -53,6 +57,9 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
             decoder = cfg.build()
         decoder.to_empty(device=device)
         decoder.rope.reset_parameters()  # inv_freq is a non-persistent fp32 buffer, recomputed
+        # no checkpoint holds the adapters: they start as the identity (B = 0; A = 0 too, not to_empty's garbage,
+        # which may be NaN and 0 * NaN is NaN) until the trainer pushes its own
+        zero_lora(decoder)
         self.model: Decoder = decoder
         model_prefix = f"{prefix}.model" if prefix else "model"
         self._install_vllm_layers(vllm_config, model_prefix)
@@ -150,7 +157,8 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
             hf_sd[name] = t
         sd = self.adapter.from_hf(hf_sd)
         params = self.titan_parameters()
-        missing = sorted(set(params) - set(sd))
+        # a base checkpoint has no adapter tensors: those stay as built (the identity) when it lacks them
+        missing = sorted(k for k in set(params) - set(sd) if not is_lora_param(k))
         unexpected = sorted(set(sd) - set(params))
         if missing or unexpected:
             raise CheckpointMismatchError(f"titan parameters missing {missing[:10]}, unexpected {unexpected[:10]}")
@@ -162,6 +170,9 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
             p.copy_(t)
             loaded.add(name)
         logger.info("titan: loaded %d tensors for %s", len(loaded), self.architecture)
+        # adapters the checkpoint lacks are initialised (the identity, ``__init__``): reported as loaded, since vLLM
+        # refuses a model with parameters the loader did not account for
+        loaded |= {name for key, (name, _) in params.items() if key not in sd and is_lora_param(key)}
         return loaded
 
 

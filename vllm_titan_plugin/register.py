@@ -41,6 +41,11 @@ def titan_model_class(architectures: str | list[str], model_config: Any = None) 
         from titan_rl_ext.models.upstream.build import check_architecture, spec_name
         from vllm_titan_plugin.upstream_model import TorchtitanForCausalLM
 
+        from titan_rl_ext.models.common.lora import HF_CONFIG_KEY
+
+        if getattr(model_config.hf_config, HF_CONFIG_KEY, None) is not None:
+            raise ValueError(f"{HF_CONFIG_KEY} (LoRA adapters) needs the titan model definition; titan_model_spec="
+                             f"{spec!r} serves torchtitan's, which has no adapters: drop one of the two overrides")
         if len(archs) != 1:
             raise ValueError(f"titan_model_spec={spec!r} needs a checkpoint with one architecture, got {archs}")
         check_architecture(spec_name(spec), archs[0])

@@ -89,5 +89,5 @@ def qwen3_debug() -> Any:
     return _debug_trainer(model_registry("qwen3-debug"))
 from titan_rl_ext.configs.rl import (  # noqa: E402,F401
     qwen3_5_9b_dapo_math, rl_demo_cpu, rl_gpu_hybrid, rl_gpu_hybrid_toy, rl_gpu_long, rl_gpu_long_toy, rl_native_cpu,
-    rl_search_cpu, rl_terminal_cpu, rl_tiny_cpu, rl_verifiers_cpu,
+    rl_lora_9b, rl_lora_toy, rl_search_cpu, rl_terminal_cpu, rl_tiny_cpu, rl_verifiers_cpu,
 )

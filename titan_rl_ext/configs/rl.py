@@ -503,3 +503,134 @@ def rl_demo_cpu() -> Any:
                          eval_every=10, eval_items=64, stale_gap_versions=3)
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=40, lr=2e-3, warmup=2, batch_invariant=True,
                        dump=str(cache_dir() / "outputs" / "rl_demo_cpu"), checkpoint_interval=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA RL (issue 44): adapters trained, base frozen, adapter-only pushes, BI on both sides
+
+LORA_HYBRID_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                       "out_proj", "gate_proj", "up_proj", "down_proj")
+"""Every projection a Qwen3.5 hybrid has: attention, GDN and MLP."""
+
+
+def rl_lora_toy() -> Any:
+    """LoRA RL on CPU: the demo's warmed-up tiny Qwen3.5 (``demo_rl_checkpoint``: its copy-task answers are right
+    often enough that groups differ in reward, so the adapters get gradients), rank-8 adapters (alpha 16) on every
+    projection, base frozen, adapter-only pushes, ``synthetic_copy``, 4 prompts x G=8, off-policy window 2 with every
+    version kept for the exact stale gap, DAPO, batch invariant on both sides, 6 steps, the adapter exported in PEFT's
+    format. The CPU twin of ``rl_lora_9b`` (``tests/test_rl_lora.py`` runs it)."""
+    hf_dir = demo_rl_checkpoint(verbose=False)
+    dump = cache_dir() / "outputs" / "rl_lora_toy"
+    rl = _tiny_rl_config(hf_dir, task=f"synthetic_{DEMO_TASK}", stale_gap_versions=3, lora_rank=8, lora_alpha=16.0,
+                         lora_targets=list(LORA_HYBRID_TARGETS), export_adapter_dir=str(dump / "adapter"))
+    return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=6, lr=1e-2, warmup=1, batch_invariant=True,
+                       dump=str(dump), checkpoint_interval=10)
+
+
+LORA_9B_RANK = 16
+LORA_9B_MAX_MODEL_LEN = 1024
+
+
+def lora_9b_shape() -> dict[str, Any]:
+    """Qwen3.5-9B's text model at full depth (hidden 4096, MLP 12288, 32 layers: 24 GDN + 8 gated attention, its
+    head shapes) with the tiny tokenizer's vocabulary (a random model's samples must decode)."""
+    from titan_rl_ext.tools.make_tiny import SHAPES, VOCAB
+
+    return {**SHAPES["qwen3_5-9b"], "num_hidden_layers": 32, "vocab_size": VOCAB, "linear_conv_kernel_dim": 4}
+
+
+def lora_param_count(shape: Mapping[str, Any], rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters (``r * (in + out)`` per adapted projection and layer) of a Qwen3.5 hybrid of ``shape``."""
+    H, I, L = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    n_attn = L // shape["full_attention_interval"]
+    hd, nq, nkv = shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    nv = shape["linear_num_value_heads"]
+    kd, vd = shape["linear_num_key_heads"] * shape["linear_key_head_dim"], nv * shape["linear_value_head_dim"]
+    attn = {"q_proj": (H, 2 * nq * hd), "k_proj": (H, nkv * hd), "v_proj": (H, nkv * hd), "o_proj": (nq * hd, H)}
+    gdn = {"in_proj_qkv": (H, 2 * kd + vd), "in_proj_z": (H, vd), "in_proj_b": (H, nv), "in_proj_a": (H, nv),
+           "out_proj": (vd, H)}
+    mlp = {"gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    per = lambda table: sum(rank * (i + o) for t, (i, o) in table.items() if t in targets)  # noqa: E731
+    return n_attn * per(attn) + (L - n_attn) * per(gdn) + L * per(mlp)
+
+
+def lora_memory_split(shape: Mapping[str, Any], *, rank: int, targets: tuple[str, ...], seqs: int, max_model_len: int,
+                      chunk_tokens: int, stale_versions: int, overhead_gib: float = 3.0) -> dict[str, float]:
+    """GiB each part of one GPU holds in ``rl_lora_9b``: ``long_memory_split``'s generator, and a trainer whose base is
+    frozen bf16 (no master copy, gradients or optimizer state), whose adapters are bf16 with AdamW's two moments and
+    gradients, which keeps the stale-gap model (bf16, built on the GPU; the kept versions themselves on the host) and
+    the activations of one loss chunk (the backward still runs through every frozen layer)."""
+    split = long_memory_split(shape, seqs=seqs, max_model_len=max_model_len, chunk_tokens=chunk_tokens,
+                              overhead_gib=overhead_gib)
+    n, a = hybrid_param_count(shape), lora_param_count(shape, rank, targets)
+    for k in ("trainer/params_fp32", "trainer/grads_fp32", "trainer/adam_fp32", "trainer/bf16_copies"):
+        del split[k]
+    split.update({"trainer/base_bf16": 2 * n / GIB, "trainer/adapters_bf16_grads_adam": 4 * 2 * a / GIB,
+                  "trainer/stale_gap_model_bf16": (2 * (n + a) / GIB) if stale_versions else 0.0,
+                  "host/stale_gap_versions_bf16": stale_versions * 2 * (n + a) / GIB})
+    split["trainer"] = sum(v for k, v in split.items() if k.startswith("trainer/"))
+    split["total"] = split["trainer"] + split["generator"]
+    split["adapter_params_m"] = a / 1e6
+    return split
+
+
+def lora_9b_checkpoint() -> str:
+    """``QWEN3_5_9B_DIR`` when it names a checkpoint (the published model), else ``lora_9b_shape()`` with HF's own
+    initialisation, bf16, built once on the GPU into ``cache_dir()/rl_lora_9b_init`` (~14 GB)."""
+    import torch
+
+    from titan_rl_ext.tools.make_tiny import make_tiny
+
+    given = os.environ.get("QWEN3_5_9B_DIR", "")
+    if given and (Path(given) / "config.json").exists():
+        return given
+    d = cache_dir() / "rl_lora_9b_init"
+    if not (d / "config.json").exists():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        make_tiny("qwen3_5", d, seed=0, layout="vlm", dtype=torch.bfloat16, device=device, noise=0.0, **lora_9b_shape())
+    return str(d)
+
+
+def rl_lora_9b() -> Any:
+    """One GPU (80 GB class): LoRA RL on Qwen3.5-9B's full-depth shape (``lora_9b_checkpoint``), rank-16 adapters
+    (alpha 32) on every projection, base frozen in bf16, adapter-only pushes over CUDA IPC, trainer and one spawned
+    vLLM generator side by side, batch invariant on both sides, ``synthetic_copy``, 16 prompts x G=8, off-policy window
+    2 with every version kept (on the host) for the exact stale gap, DAPO, 20 steps. On the random-init checkpoint
+    it checks the path -- step-1 gap 0, stale tokens exact, adapter-only pushes, memory -- not learning (the copy
+    task's reward stays near 0); with ``QWEN3_5_9B_DIR`` the published model learns it.
+
+    Expected memory (``lora_memory_split``; the 9B shape with the tiny vocabulary: 6.92 B base + 43.3 M adapter
+    parameters), 60.8 GiB of an 80 GB card: trainer 34.8 GiB = base bf16 12.9 + stale-gap model 13.0 + adapters with
+    gradients and AdamW 0.3 + activations of one 1 K-token loss chunk ~5.6 + overhead 3; generator 26.0 GiB = weights
+    12.9 + GDN state of 128 sequences 6.1 + KV 4.0 + overhead 3 (its ``--gpu-memory-utilization`` is set from this);
+    host: the 3 kept versions, 38.9 GiB. With the published checkpoint (248 K vocabulary) add ~3.8 GiB per copy of
+    the weights (trainer, stale-gap model, generator)."""
+    import torch
+
+    from titan_rl_ext.rl.losses import loss_config
+
+    hf_dir = lora_9b_checkpoint()
+    cfg = _gpu_recipe(toy=False, hf_dir=hf_dir)
+    rl = cfg.rl
+    prompts, group = 16, 8
+    server = _set_arg(rl.server_args, "--max-model-len", str(LORA_9B_MAX_MODEL_LEN))
+    if torch.cuda.is_available():
+        split = lora_memory_split(lora_9b_shape(), rank=LORA_9B_RANK, targets=LORA_HYBRID_TARGETS, seqs=prompts * group,
+                                  max_model_len=LORA_9B_MAX_MODEL_LEN, chunk_tokens=LORA_9B_MAX_MODEL_LEN,
+                                  stale_versions=3)
+        share = math.ceil(100 * split["generator"] * GIB / torch.cuda.get_device_properties(0).total_memory) / 100
+        server = _set_arg(_set_arg(server, "--gpu-memory-utilization", f"{share:.2f}"), "--max-num-seqs",
+                          str(prompts * group))
+    cfg.rl = dataclasses.replace(
+        rl, server_args=server, prompts_per_step=prompts, group_size=group, num_producers=prompts, max_tokens=8,
+        offpolicy=2, stale_gap_versions=3, stale_gap_device="cpu", loss=loss_config("dapo"),
+        batch_invariant_steps=1_000_000, loss_chunk_tokens=LORA_9B_MAX_MODEL_LEN, seeded_sampling=False,
+        lora_rank=LORA_9B_RANK, lora_alpha=2.0 * LORA_9B_RANK, lora_targets=list(LORA_HYBRID_TARGETS),
+        export_adapter_dir=str(cache_dir() / "outputs" / "rl_lora_9b" / "adapter"))
+    cfg.model_spec.model.batch_invariant = True
+    # bf16 weights, no fp32 master copy: the frozen base never updates, and the adapters' AdamW runs in bf16
+    cfg.training.dtype = cfg.training.mixed_precision_param = "bfloat16"
+    cfg.training.steps = 20
+    cfg.optimizer.lr = 1e-4
+    cfg.dump_folder = str(cache_dir() / "outputs" / "rl_lora_9b")
+    return cfg

@@ -77,20 +77,39 @@ def adapter_state_dict(model: torch.nn.Module, hf_adapter: HFStateDictAdapter) -
     return out
 
 
+def _write(sd: dict[str, torch.Tensor], cfg: LoRAConfig, out_dir: str | Path, base_model_name_or_path: str | None) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to("cpu").contiguous() for k, v in sd.items()}, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out / CONFIG_NAME).write_text(json.dumps(to_peft_config(cfg, base_model_name_or_path), indent=2) + "\n")
+    return out
+
+
 def save_peft_adapter(
     model: torch.nn.Module, hf_adapter: HFStateDictAdapter, out_dir: str | Path, base_model_name_or_path: str | None = None
 ) -> Path:
-    from safetensors.torch import save_file
-
     cfg: LoRAConfig | None = getattr(model.config, "lora", None)  # type: ignore[union-attr]
     if cfg is None:
         raise ValueError("the model has no LoRA adapters")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.to("cpu").contiguous() for k, v in adapter_state_dict(model, hf_adapter).items()}
-    save_file(sd, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(to_peft_config(cfg, base_model_name_or_path), indent=2) + "\n")
-    return out
+    return _write(adapter_state_dict(model, hf_adapter), cfg, out_dir, base_model_name_or_path)
+
+
+def save_peft_adapter_tensors(
+    lora_sd: dict[str, torch.Tensor], cfg: LoRAConfig, hf_adapter: HFStateDictAdapter, out_dir: str | Path,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """``save_peft_adapter`` from the adapter tensors under their titan names (``layers.0.attention.wqkv.lora.1.
+    lora_A``), e.g. gathered from a sharded trainer, rather than from a model's modules."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in lora_sd.items():
+        path, _, which = name.rpartition(".")
+        if which not in ("lora_A", "lora_B") or ".lora." not in path:
+            raise ValueError(f"{name!r} is not a LoRA adapter tensor")
+        ka, kb = _peft_keys(path, hf_adapter)
+        out[ka if which == "lora_A" else kb] = t.detach()
+    return _write(out, cfg, out_dir, base_model_name_or_path)
 
 
 @torch.no_grad()

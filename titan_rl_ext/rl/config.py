@@ -11,6 +11,10 @@ from titan_rl_ext.rl.losses.base import PolicyLoss, config_to_dict
 from titan_rl_ext.wire.protocol import TOKEN_ENV
 
 
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Attention and MLP projections: every dense architecture has them."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
     generator_urls: list[str] = field(default_factory=list)
@@ -110,6 +114,21 @@ class RLConfig:
     """After the last step write the policy as a stock HF checkpoint shaped like ``model_dir`` (architecture,
     config, key layout, tokenizer; ``titan_rl_ext.tools.export``), loadable by transformers and vLLM's native
     class. Any torchtitan checkpoint step of a run exports the same way: ``python -m titan_rl_ext.tools.export``."""
+    lora_rank: int = 0
+    """LoRA: adapters of this rank on ``lora_targets`` (``models.common.lora``), base weights frozen (only the adapters
+    get gradients and optimizer state), pushes carry the adapter tensors alone, and a spawned generator serves the
+    same adapters (``--hf-overrides '{"titan_lora": ...}'``; a running one must be started with it). 0: full
+    fine-tuning."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: adapter outputs are scaled by ``lora_alpha / lora_rank``."""
+    lora_targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    """HF/PEFT module names to adapt (``q_proj`` ... ``down_proj``, GDN's ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/
+    ``in_proj_a``/``out_proj``); each must exist in the architecture, else the run stops at start-up."""
+    lora_dropout: float = 0.0
+    """Only 0: the generator cannot reproduce the trainer's dropout masks, so anything else is refused at start-up."""
+    export_adapter_dir: str = ""
+    """LoRA: after the last step write the adapter in PEFT's format (``adapter_config.json`` +
+    ``adapter_model.safetensors``, ``models.peft_adapter``) for the base checkpoint ``model_dir``."""
     seed: int = 0
     """The prompt stream's shuffle and, with ``seeded_sampling``, every sample's sampling seed."""
     seeded_sampling: bool = True
@@ -129,6 +148,16 @@ class RLConfig:
     eval_path: str = ""
     """Held-out set for ``task="math"`` (jsonl/parquet, e.g. AIME problems); synthetic tasks draw a fixed
     set from a seed the training stream never uses."""
+
+    def lora(self) -> Any:
+        """The run's ``LoRAConfig`` (None: full fine-tuning); raises ``LoRAConfigError`` naming what cannot run
+        exactly (dropout, a non-positive rank, an unknown target)."""
+        if self.lora_rank == 0 and self.lora_dropout == 0:
+            return None
+        from titan_rl_ext.models.common.lora import LoRAConfig
+
+        return LoRAConfig(rank=self.lora_rank, alpha=float(self.lora_alpha), targets=tuple(self.lora_targets),
+                          dropout=float(self.lora_dropout))
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

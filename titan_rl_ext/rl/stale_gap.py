@@ -29,10 +29,11 @@ _AUTO_FREE_FRACTION = 0.25
 
 
 class StaleGap:
-    def __init__(self, keep: int, model_dir: str, device: str = "auto", chunk_tokens: int = 0) -> None:
+    def __init__(self, keep: int, model_dir: str, device: str = "auto", chunk_tokens: int = 0, lora: Any = None) -> None:
+        """``lora``: the trainer's ``LoRAConfig`` (None: none), so the second model has its adapters."""
         if device not in DEVICES:
             raise ValueError(f"stale gap device must be one of {DEVICES}, got {device!r}")
-        self.keep, self.model_dir, self.device = keep, model_dir, device
+        self.keep, self.model_dir, self.device, self.lora = keep, model_dir, device, lora
         self.chunk_tokens = chunk_tokens  # tokens a recompute pass takes at most (0: one pass)
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch: Any = None  # the second model, built on first use
@@ -86,7 +87,8 @@ class StaleGap:
 
         device = packed.tokens_T.device
         if self._scratch is None:
-            self._scratch, _ = load_hf_model(self.model_dir, dtype=dtype, device=device)
+            self._scratch, _ = load_hf_model(self.model_dir, dtype=dtype, device=device,
+                                             **({"lora": self.lora} if self.lora is not None else {}))
             self._scratch.eval()
         self._use(version)
         with torch.no_grad():

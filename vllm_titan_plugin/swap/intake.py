@@ -9,6 +9,9 @@ the workers' loader (``orchestrator.locked_swap``). One intake per transport nam
   names, dtypes and shapes checked here; paused, each worker opens the handles, checks every tensor is
   finite and copies device to device.
 
+Either carries the whole served set or, on a model serving LoRA adapters, exactly its adapter tensors
+(``validate.push_spec``: all or none; the base weights stay as they are).
+
 An intake raises ``PushRejected`` for a push it refuses; the route turns it into the answer.
 """
 
@@ -27,7 +30,7 @@ from starlette.requests import Request
 
 from vllm_titan_plugin.swap.orchestrator import SwapDone, locked_swap, staging_slot
 from vllm_titan_plugin.swap.state import SwapState
-from vllm_titan_plugin.swap.validate import PushRejected, check_spec, manifest_spec, max_bytes, validate_payload
+from vllm_titan_plugin.swap.validate import PushRejected, check_push, manifest_spec, max_bytes, validate_payload
 
 MAX_MANIFEST_BYTES = 64 << 20
 _SHM = "/dev/shm"
@@ -106,7 +109,8 @@ async def receive_safetensors(state: SwapState, request: Request, spec: dict[str
             num = await asyncio.to_thread(validate_payload, path, spec)
             ready = time.perf_counter()
             done = await state.on_engine_loop(
-                locked_swap(state, "titan_load_weights", path, push.version, push.keep_cache, push.pause))
+                locked_swap(state, "titan_load_weights", path, push.version, push.keep_cache, push.pause,
+                            partial=num < len(spec)))  # validated: fewer tensors is an adapter-only push
         finally:
             if path is not None and os.path.exists(path):
                 os.unlink(path)
@@ -127,10 +131,11 @@ async def receive_cuda_ipc(state: SwapState, request: Request, spec: dict[str, l
         got = manifest_spec(manifest)
     except ValueError as e:
         raise PushRejected(400, f"invalid CUDA IPC manifest: {e}") from None
-    check_spec(spec, got)
+    check_push(spec, got)  # the whole set, or an adapter-only push (validate.push_spec)
     ready = time.perf_counter()
     done = await state.on_engine_loop(
-        locked_swap(state, "titan_load_weights_ipc", manifest, push.version, push.keep_cache, push.pause))
+        locked_swap(state, "titan_load_weights_ipc", manifest, push.version, push.keep_cache, push.pause,
+                    partial=len(got) < len(spec)))
     return Received(len(got), len(body), 0.0, ready - t0, ready, done)
 
 

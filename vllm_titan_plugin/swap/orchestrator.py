@@ -51,12 +51,16 @@ class SwapDone:
 
 
 async def locked_swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
-                       pause: bool = False) -> SwapDone:
+                       pause: bool = False, partial: bool = False) -> SwapDone:
+    """``partial``: an adapter-only push (``validate.push_spec``), which cannot mend a base a failed whole push
+    left mixed."""
     started = time.perf_counter()
     async with state.lock:
         if version <= state.version:
             raise PushRejected(409, f"version {version} is not greater than the current version {state.version}")
-        seconds, answer = await swap(state, method, arg, version, keep_cache, pause)
+        if partial and state.dirty and not state.dirty_adapters_only:
+            raise PushRejected(409, f"adapter-only push refused: {state.dirty}")
+        seconds, answer = await swap(state, method, arg, version, keep_cache, pause, partial)
         return SwapDone(started, seconds, int(answer.get("in_flight", 0)), int(answer.get("resalted", 0)))
 
 
@@ -65,12 +69,14 @@ def _rejected(answer: dict[str, Any]) -> PushRejected:
 
 
 @contextlib.contextmanager
-def _dirty_on_failure(state: SwapState, version: int, where: str) -> Iterator[None]:
+def _dirty_on_failure(state: SwapState, version: int, where: str, partial: bool = False) -> Iterator[None]:
     """An exception here may come after some tensors were copied: the weights are then neither the old
-    version nor the new one. Mark the server dirty (generation answers 503) until a full push lands."""
+    version nor the new one. Mark the server dirty (generation answers 503) until a full push lands (an
+    adapter-only push when the failed one was one: the base was not touched)."""
     try:
         yield
     except Exception as e:
+        state.dirty_adapters_only = partial
         state.dirty = f"push of v{version} failed {where} ({type(e).__name__}: {str(e)[:200]}); the weights may " \
                       f"mix v{state.version} and v{version} until a full push lands"
         logger.error("titan: %s", state.dirty)
@@ -88,7 +94,7 @@ async def flip_batch_invariant(state: SwapState, enabled: bool) -> list[Any]:
 
 
 async def swap(state: SwapState, method: str, arg: Any, version: int, keep_cache: bool,
-                pause: bool = False) -> tuple[float, dict[str, Any]]:
+                pause: bool = False, partial: bool = False) -> tuple[float, dict[str, Any]]:
     """Copy the weights with the worker loader ``method(arg)``, set the engine core's version; returns the
     seconds it took and the engine core's answer (``engine.set_weight_version``). First as one engine-core utility between two steps (``engine.swap_between_steps``);
     when the engine has a batch in flight (or ``pause``), the long way: pause, copy, set, resume. A worker
@@ -96,7 +102,7 @@ async def swap(state: SwapState, method: str, arg: Any, version: int, keep_cache
     engine = state.engine
     t0 = time.perf_counter()
     if not pause:
-        with _dirty_on_failure(state, version, "between engine steps"):
+        with _dirty_on_failure(state, version, "between engine steps", partial):
             answer = await _set_version(state, version, engine_side.SWAP_UTILITY, method, arg, version, keep_cache)
         if answer.get("problems"):
             raise _rejected(answer)  # refused before the first copy: the weights are whole
@@ -109,12 +115,12 @@ async def swap(state: SwapState, method: str, arg: Any, version: int, keep_cache
         await compat.pause_generation(engine, keep_cache=keep_cache)
         # vLLM 0.32's pause waits for the device; 0.26's does not: wait here before any weight changes
         await compat.worker_rpc(engine, "titan_synchronize_device")
-        with _dirty_on_failure(state, version, "in a worker"):
+        with _dirty_on_failure(state, version, "in a worker", partial):
             results = await compat.worker_rpc(engine, method, arg)
         if (refused := first_refusal(results)) is not None:
             raise _rejected(refused)  # that worker copied nothing
         # paused: no step ran since the copy, so the engine's token counts now are where the new weights begin
-        with _dirty_on_failure(state, version, "after the copy, setting the engine's version"):
+        with _dirty_on_failure(state, version, "after the copy, setting the engine's version", partial):
             answer = await _set_version(state, version, engine_side.UTILITY, version)
         state.version, state.dirty = version, None
     finally:

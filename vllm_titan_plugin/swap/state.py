@@ -34,6 +34,8 @@ class SwapState:
         # why the served weights may be a mix of two versions (a push failed after its copy began): while
         # set, generation routes answer 503 (tagging.WeightVersionMiddleware) until a full push lands
         self.dirty: str | None = None
+        # the failed push carried adapter tensors only (the base is whole), so an adapter-only push may clear it
+        self.dirty_adapters_only = False
         # one payload staged at a time (orchestrator.staging_slot); a thread semaphore: pushes arrive on two loops
         self.staging = threading.BoundedSemaphore(1)
 

@@ -16,7 +16,7 @@ A push always carries the titan state dict (titan names, the served dtypes). Two
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,10 +39,11 @@ class TitanTarget:
     def spec(self) -> dict[str, list[Any]]:
         return _spec_of(self.params)
 
-    def copy_in(self, get: Any) -> None:
-        """``get(name)`` -> the pushed tensor; copied into the parameter in place."""
-        for name, p in self.params.items():
-            p.copy_(get(name))
+    def copy_in(self, get: Any, names: Iterable[str] | None = None) -> None:
+        """``get(name)`` -> the pushed tensor; copied into the parameter in place. ``names``: the pushed subset (an
+        adapter-only push, already checked to be exactly the adapter set); None: every parameter."""
+        for name in self.params if names is None else names:
+            self.params[name].copy_(get(name))
 
     def checksums(self) -> dict[str, str]:
         from titan_rl_ext.wire.weights import tensor_checksum
@@ -66,7 +67,9 @@ class NativeTarget:
     def spec(self) -> dict[str, list[Any]]:
         return self._spec
 
-    def copy_in(self, get: Any) -> None:
+    def copy_in(self, get: Any, names: Iterable[str] | None = None) -> None:
+        # the native class has no adapters, so ``push_spec`` never lets a partial set reach it
+        assert names is None or set(names) == set(self._spec), "a native target takes whole pushes only"
         hf = self.adapter.to_hf({name: get(name) for name in self._spec})
         self.runner.reload_weights(weights_iterator=iter(hf.items()), is_checkpoint_format=True)
 

@@ -72,6 +72,32 @@ def check_spec(expected: dict[str, list[Any]], got: dict[str, list[Any]]) -> Non
         raise PushRejected(422, "; ".join(problems), bad)
 
 
+def push_spec(expected: dict[str, list[Any]], got: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """The set a push must match exactly. A model serving LoRA adapters (``models.common.lora``) takes, besides
+    the whole set, an adapter-only push: one whose every name is an adapter name is held to the whole adapter set,
+    all or none -- a partial adapter is refused naming what it lacks, and the base weights never move."""
+    from titan_rl_ext.models.common.lora import is_lora_param
+
+    adapters = {n: v for n, v in expected.items() if is_lora_param(n)}
+    if adapters and got and all(is_lora_param(n) for n in got):
+        return adapters
+    return expected
+
+
+def check_push(expected: dict[str, list[Any]], got: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``check_spec`` against ``push_spec``; returns the set the push carries. An adapter-only push's refusal says so."""
+    want = push_spec(expected, got)
+    if want is expected:
+        check_spec(expected, got)
+        return want
+    try:
+        check_spec(want, got)
+    except PushRejected as e:
+        raise PushRejected(e.status, f"adapter-only push (the served model's {len(want)} LoRA tensors, all or "
+                                     f"none): {e.message}", e.tensors) from None
+    return want
+
+
 def _duplicate_names(path: str) -> list[str]:
     """Names that occur more than once in the safetensors header (``safe_open`` keeps the last one)."""
     with open(path, "rb") as fh:
@@ -105,7 +131,7 @@ def validate_payload(path: str, expected: dict[str, list[Any]]) -> int:
         if dups := _duplicate_names(path):
             # the format forbids them, and two readers could pick different entries
             raise PushRejected(400, f"payload is not a valid safetensors file: duplicate tensor names: {name_list(dups)}", dups)
-        check_spec(expected, got)
+        check_push(expected, got)
         nonfinite = []
         for name, (dt, _) in got.items():
             if dt in _FLOAT_ST and not bool(torch.isfinite(f.get_tensor(name)).all()):

@@ -11,7 +11,7 @@ import torch
 
 from vllm_titan_plugin import compat
 from vllm_titan_plugin.swap.targets import target_of
-from vllm_titan_plugin.swap.validate import file_spec, manifest_spec, name_list, spec_problems
+from vllm_titan_plugin.swap.validate import file_spec, manifest_spec, name_list, push_spec, spec_problems
 
 
 def worker_weight_spec(worker: Any) -> dict[str, list[Any]]:
@@ -30,11 +30,13 @@ def worker_load_weights(worker: Any, path: str) -> int | dict[str, Any]:
 
     target = target_of(worker)
     with safe_open(path, framework="pt", device="cpu") as f:
-        problems = spec_problems(target.spec(), file_spec(f))
+        got = file_spec(f)
+        want = push_spec(target.spec(), got)  # the whole set, or exactly the adapters (an adapter-only push)
+        problems = spec_problems(want, got)
         if problems:
             return {"problems": problems, "tensors": [], "status": 422}
-        target.copy_in(f.get_tensor)
-    return len(target.spec())
+        target.copy_in(f.get_tensor, list(want))
+    return len(want)
 
 
 @torch.no_grad()
@@ -49,7 +51,9 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
         return {"problems": ["transport=cuda_ipc needs a generator on CUDA; this one serves on "
                              f"{target.device.type} (use the default safetensors transport)"],
                 "tensors": [], "status": 400}
-    problems = spec_problems(target.spec(), manifest_spec(manifest))
+    got = manifest_spec(manifest)
+    want = push_spec(target.spec(), got)
+    problems = spec_problems(want, got)
     if problems:
         return {"problems": problems, "tensors": [], "status": 422}
     try:
@@ -61,11 +65,11 @@ def worker_load_weights_ipc(worker: Any, manifest: dict[str, Any]) -> dict[str, 
         nonfinite = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if nonfinite:
             return {"problems": [f"NaN/Inf in tensors: {name_list(nonfinite)}"], "tensors": nonfinite, "status": 422}
-        target.copy_in(tensors.__getitem__)
+        target.copy_in(tensors.__getitem__, list(want))
         torch.cuda.synchronize()  # the sender may free its tensors once we answer
     finally:
         del tensors
-    return {"num_tensors": len(target.spec())}
+    return {"num_tensors": len(want)}
 
 
 def worker_synchronize_device(worker: Any) -> None:

@@ -46,6 +46,11 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 }
 _MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj"})
 
+HF_CONFIG_KEY = "titan_lora"
+"""Key of the LoRA settings in a served model's HF config (``--hf-overrides '{"titan_lora": {...}}'``): how a vLLM
+server learns which adapters its titan model carries (``LoRAConfig.to_hf`` / ``lora_from_hf_config``)."""
+_HF_FIELDS = ("rank", "alpha", "targets", "dropout")
+
 
 class LoRAConfigError(ValueError):
     """A LoRA configuration this model cannot run exactly. The message says why."""
@@ -78,6 +83,31 @@ class LoRAConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    def to_hf(self) -> dict[str, object]:
+        """The JSON form ``lora_from_hf_config`` reads (the value of ``HF_CONFIG_KEY``)."""
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "dropout": self.dropout}
+
+
+def lora_from_hf_config(hf_config: dict[str, object]) -> LoRAConfig | None:
+    """The ``LoRAConfig`` an HF config carries under ``HF_CONFIG_KEY`` (None: no adapters); refuses a malformed
+    value or unknown field with the reason, so a server with a bad override fails at start-up."""
+    value = hf_config.get(HF_CONFIG_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise LoRAConfigError(f"{HF_CONFIG_KEY} must be a JSON object with fields {_HF_FIELDS}, got {value!r}")
+    unknown = sorted(set(value) - set(_HF_FIELDS))
+    if unknown:
+        raise LoRAConfigError(f"{HF_CONFIG_KEY}: unknown fields {unknown}; expected {list(_HF_FIELDS)}")
+    missing = [k for k in ("rank", "alpha", "targets") if k not in value]
+    if missing:
+        raise LoRAConfigError(f"{HF_CONFIG_KEY}: missing fields {missing}")
+    targets = value["targets"]
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise LoRAConfigError(f"{HF_CONFIG_KEY}.targets must be a list of module names, got {targets!r}")
+    return LoRAConfig(rank=value["rank"], alpha=float(value["alpha"]), targets=tuple(targets),  # type: ignore[arg-type]
+                      dropout=float(value.get("dropout", 0.0)))  # type: ignore[arg-type]
 
 
 class LoRAAdapter(nn.Module):
@@ -190,6 +220,20 @@ def is_lora_param(name: str) -> bool:
 def lora_modules(model: nn.Module) -> dict[str, LoRAAdapter]:
     """Every adapter by its module path (``layers.0.attention.wqkv.lora.0``)."""
     return {path: m for path, m in model.named_modules() if isinstance(m, LoRAAdapter)}
+
+
+def lora_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a titan state dict: what an adapter-only push carries."""
+    return {k: v for k, v in state_dict.items() if is_lora_param(k)}
+
+
+@torch.no_grad()
+def zero_lora(model: nn.Module) -> None:
+    """Adapters with A = 0 and B = 0: the identity, deterministic and independent of any RNG (a generator's start,
+    before the trainer pushes its adapter; ``reset_lora``'s random A would draw from the server's generator)."""
+    for m in lora_modules(model).values():
+        m.lora_A.zero_()
+        m.lora_B.zero_()
 
 
 def reset_lora(model: nn.Module) -> None:

@@ -174,6 +174,10 @@ class RLTrainer(Trainer):
         """Mixed precision: the dtype the forward computes in (None: the stored one), and so the dtype of what
         is pushed to the generators, who must serve it (``--dtype``)."""
         self._load_hf_weights(rl.model_dir)
+        if self._lora is not None:
+            trainable = [(n, p) for n, p in self.model_parts[0].named_parameters() if p.requires_grad]
+            logger.info("RL: LoRA %s: %d adapter tensors (%.2f M parameters) train, the base is frozen", self._lora,
+                        len(trainable), sum(p.numel() for _, p in trainable) / 1e6)
         self._link: GeneratorLink | None = None  # rank 0: the generators (spawned server, pusher, fleet)
         self._service: RolloutService | None = None
         self._t_prev_end: float | None = None  # the last step's end (perf/trainer/tokens_per_second_full_step)

@@ -37,7 +37,7 @@ SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--e
                "--worker-extension-cls", "vllm_titan_plugin.swap.transfer_engine.TitanTransferExtension",
                "--weight-transfer-config", '{"backend": "titan_gloo"}']
 # small buckets: a version of the tiny model takes several update_weights calls, so "midway" exists
-OPTIONS = {"bucket_bytes": 1 << 16, "timeout_s": 20}
+OPTIONS = {"bucket_bytes": 1 << 18, "timeout_s": 20}
 PROMPTS = [[5, 17, 3, 99, 42, 7, 11], [3 + (7 * i) % 500 for i in range(40)]]
 
 
@@ -152,11 +152,15 @@ def test_broadcast_push_reaches_both_generators_bit_exact(fleet: Fleet) -> None:
     try:
         for url in f.urls:
             assert _served(url) == 0
+        t0 = time.perf_counter()
         answers = pusher.push(_weights(f, 1), 1)
+        print("TIMING push v1", time.perf_counter() - t0, answers[0])
         assert [a["version"] for a in answers] == [1, 1] and answers[0]["num_buckets"] > 2, answers
         for url in f.urls:
             _assert_serves(f, pusher, url, 1)
+            t0 = time.perf_counter()
             assert _differing(f, url, 1) == 0
+            print("TIMING differing", time.perf_counter() - t0)
         pusher.push(_weights(f, 2), 2)  # the group built for v1 carries v2 (no second init)
         assert pusher.transport._builds == 1
         for url in f.urls:

@@ -145,6 +145,7 @@ class VllmTransferTransport:
         self._store: Any = None
         self._group: Any = None
         self._topology: Topology | None = None
+        self._building: dict[str, str] = {}
         self._lock = threading.Lock()  # one push at a time: the group carries one version's bytes
 
     # -- the WeightTransport protocol (``WeightPusher.push_each`` calls ``push_all`` instead) ---------------
@@ -214,6 +215,7 @@ class VllmTransferTransport:
             t0 = time.perf_counter()
             try:
                 self._ensure_group({u: boots[u] for u in live})  # type: ignore[misc]
+                t1 = time.perf_counter()
                 self._transfer(live, buckets)
             except TransferFailed as e:
                 self._close()
@@ -226,8 +228,8 @@ class VllmTransferTransport:
                 for u in live:
                     results[u] = {"url": u, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
                 return
-            transfer_s = time.perf_counter() - t0
-            self._finish(live, boots, version, len(buckets), nbytes, transfer_s, results)
+            timing = {"init_seconds": t1 - t0, "transfer_seconds": time.perf_counter() - t1}
+            self._finish(live, boots, version, len(buckets), nbytes, timing, results)
             return
 
     def _boots(self, urls: Sequence[str]) -> dict[str, str | None]:
@@ -262,6 +264,7 @@ class VllmTransferTransport:
             self._store = TCPStore(self.address, self.port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.timeout_s), multi_tenant=True)
         self._builds += 1
+        self._building = topo.boots  # the init calls are signed for these boots
         prefix = f"titan/{self._run}/{self._builds}"
         infos = topo.init_infos(self.address or "127.0.0.1", int(self._store.port), prefix, self.timeout_s)
         answers = self._call_all(INIT, {u: {"init_info": infos[u]} for u in infos})
@@ -278,7 +281,8 @@ class VllmTransferTransport:
         """POST ``path`` to every generator at once, in threads (the calls that receive block until the
         broadcast is over, so they run beside it); the returned callable waits for every answer."""
         pool = ThreadPoolExecutor(max_workers=max(1, len(bodies)))
-        futures = {u: pool.submit(self.link.dev_post, u, path, body) for u, body in bodies.items()}
+        boots = self._topology.boots if self._topology is not None else self._building
+        futures = {u: pool.submit(self.link.dev_post, u, path, body, boots.get(u)) for u, body in bodies.items()}
         pool.shutdown(wait=False)
 
         def answers() -> dict[str, PushResult]:
@@ -295,7 +299,9 @@ class VllmTransferTransport:
     def _transfer(self, live: list[str], buckets: list[Bucket]) -> None:
         from vllm_titan_plugin.swap.relay import pack
 
+        t0 = time.perf_counter()
         self._check(self._call_all(START, {u: None for u in live})(), START)
+        logger.debug("%s start_weight_update on %d generators: %.3f s", NAME, len(live), time.perf_counter() - t0)
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         for bucket in buckets:
             answers = self._call_all(UPDATE, {u: {"update_info": bucket.info()} for u in live})
@@ -309,13 +315,15 @@ class VllmTransferTransport:
             self._check(got, UPDATE)
 
     def _finish(self, live: list[str], boots: Mapping[str, str | None], version: int, buckets: int, nbytes: int,
-                transfer_s: float, results: dict[str, PushResult]) -> None:
+                timing: dict[str, float], results: dict[str, PushResult]) -> None:
         """Every member commits (or refuses) on its own: one member's refusal does not undo another's."""
+        t0 = time.perf_counter()
         got = self._call_all(FINISH, {u: {"weight_version": str(version)} for u in live})()
+        timing["finish_seconds"] = time.perf_counter() - t0  # the slowest member's commit
         for u, r in got.items():
             if r["ok"]:
                 r["response"] = {"version": version, "boot_id": boots[u], "transport": self.name,
-                                 "num_buckets": buckets, "bytes": nbytes, "transfer_seconds": transfer_s}
+                                 "num_buckets": buckets, "bytes": nbytes, **timing}
             results[u] = r
 
     @property

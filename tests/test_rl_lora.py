@@ -42,38 +42,31 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     """The recipe's checkpoint served with its adapters, the trainer run against it; yields paths, the server, the
     recipe's LoRA config and the trainer's log. The server stays up for the refusal tests."""
     tmp = tmp_path_factory.mktemp("rl_lora")
-    cache = tmp / "cache"
-    old = os.environ.get("TITAN_RL_CACHE")
-    os.environ["TITAN_RL_CACHE"] = str(cache)
-    try:
-        from titan_rl_ext.configs import rl_lora_toy
-        from titan_rl_ext.models.common.lora import HF_CONFIG_KEY
+    from titan_rl_ext.configs import rl_lora_toy
+    from titan_rl_ext.models.common.lora import HF_CONFIG_KEY
 
-        recipe = rl_lora_toy()  # builds the warmed-up tiny checkpoint into the test's cache (~7 s)
-        lora = recipe.rl.lora()
-        model_dir = Path(recipe.rl.model_dir)
-        env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
-        args = ["--seed", "0", "--hf-overrides", json.dumps({HF_CONFIG_KEY: lora.to_hf()})]
-        with openai_server(model_dir, tmp / "server.log", 512, args, env=env) as srv:
-            srv.wait_ready()
-            run, adapter = tmp / "run", tmp / "adapter"
-            train_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                             HF_HOME=str(tmp / "hf"), TITAN_RL_CACHE=str(cache), TITAN_SWAP_TOKEN=TOKEN,
-                             PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                   "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_lora_toy",
-                   "--training.steps", str(STEPS), "--rl.no-spawn-server", "--rl.generator-urls", srv.base,
-                   "--rl.run-dir", str(run), "--dump-folder", str(tmp / "dump"), "--rl.export-adapter-dir", str(adapter)]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=train_env, cwd=tmp)
-            log = r.stdout + r.stderr
-            (tmp / "train.log").write_text(log)
-            assert r.returncode == 0, log[-6000:]
-            yield {"run": run, "adapter": adapter, "model_dir": model_dir, "srv": srv, "lora": lora, "log": log}
-    finally:
-        if old is None:
-            os.environ.pop("TITAN_RL_CACHE", None)
-        else:
-            os.environ["TITAN_RL_CACHE"] = old
+    # the recipe's warmed-up tiny checkpoint, built once into the recipe cache (TITAN_RL_CACHE) like the demo's:
+    # deterministic, and its ~10-40 s warm-up would otherwise be paid by every run of this module
+    recipe = rl_lora_toy()
+    lora = recipe.rl.lora()
+    model_dir = Path(recipe.rl.model_dir)
+    env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
+    args = ["--seed", "0", "--hf-overrides", json.dumps({HF_CONFIG_KEY: lora.to_hf()})]
+    with openai_server(model_dir, tmp / "server.log", 512, args, env=env) as srv:
+        srv.wait_ready()
+        run, adapter = tmp / "run", tmp / "adapter"
+        train_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                         HF_HOME=str(tmp / "hf"), TITAN_SWAP_TOKEN=TOKEN,
+                         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+               "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_lora_toy",
+               "--training.steps", str(STEPS), "--rl.no-spawn-server", "--rl.generator-urls", srv.base,
+               "--rl.run-dir", str(run), "--dump-folder", str(tmp / "dump"), "--rl.export-adapter-dir", str(adapter)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=train_env, cwd=tmp)
+        log = r.stdout + r.stderr
+        (tmp / "train.log").write_text(log)
+        assert r.returncode == 0, log[-6000:]
+        yield {"run": run, "adapter": adapter, "model_dir": model_dir, "srv": srv, "lora": lora, "log": log}
 
 
 def _pusher(base: str) -> Any:

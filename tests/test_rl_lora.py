@@ -176,6 +176,7 @@ def test_partial_or_foreign_pushes_are_refused_and_old_weights_keep_serving(lora
         "unknown adapter": ({**adapters, "layers.0.attention.wqkv.lora.7.lora_A": adapters[some]},
                             ["adapter-only push", "unexpected", "lora.7"]),
         "adapter plus a base tensor": ({**adapters, base_name: sd[base_name]}, ["missing tensors"]),
+        "misshapen adapter": ({**adapters, some: adapters[some][:1]}, ["adapter-only push", "wrong shape", some]),
     }
     for what, (payload, needles) in bad_pushes.items():
         (res,) = pusher.push_each(payload, version + 1)
@@ -228,20 +229,25 @@ def test_refused_at_start_up() -> None:
     assert json.loads(_with_hf_override([], "k", 1)[1]) == {"k": 1}
 
 
-def test_server_takes_the_whole_set_or_exactly_the_adapters() -> None:
-    from vllm_titan_plugin.swap.validate import PushRejected, check_push
+def test_trainer_setup_builds_the_adapters_into_model_and_server_or_refuses() -> None:
+    from titan_rl_ext.configs import rl_lora_toy, rl_tiny_cpu
+    from titan_rl_ext.models.common.lora import HF_CONFIG_KEY
+    from titan_rl_ext.rl.trainer import RLTrainer
 
-    spec = {"a.weight": ["F32", [4, 4]], "a.lora.0.lora_A": ["F32", [2, 4]], "a.lora.0.lora_B": ["F32", [4, 2]]}
-    assert check_push(spec, dict(spec)) == spec
-    adapters = {k: v for k, v in spec.items() if ".lora." in k}
-    assert check_push(spec, adapters) == adapters
-    with pytest.raises(PushRejected, match="adapter-only push.*missing tensors: a.lora.0.lora_B") as e:
-        check_push(spec, {"a.lora.0.lora_A": ["F32", [2, 4]]})
-    assert e.value.status == 422
-    with pytest.raises(PushRejected, match="adapter-only push.*wrong shape"):
-        check_push(spec, {**adapters, "a.lora.0.lora_A": ["F32", [3, 4]]})
-    with pytest.raises(PushRejected, match="missing tensors: a.lora.0.lora_B"):
-        check_push(spec, {"a.weight": ["F32", [4, 4]], "a.lora.0.lora_A": ["F32", [2, 4]]})
-    plain = {"a.weight": ["F32", [4, 4]]}  # no adapters served: a lora-named push is just unexpected
-    with pytest.raises(PushRejected, match="unexpected tensors: a.lora.0.lora_A"):
-        check_push(plain, {"a.lora.0.lora_A": ["F32", [2, 4]]})
+    cfg = rl_lora_toy()
+    lora = RLTrainer._setup_lora(cfg)
+    assert lora == cfg.rl.lora() and cfg.model_spec.model.arch.lora == lora
+    args = cfg.rl.server_args  # the spawned generator gets the same adapters
+    assert json.loads(args[args.index("--hf-overrides") + 1]) == {HF_CONFIG_KEY: lora.to_hf()}
+    for change, needle in [({"server_model_impl": "auto"}, "--model-impl titan"),
+                           ({"export_hf_dir": "/tmp/x"}, "export_adapter_dir")]:
+        bad = rl_lora_toy()
+        for k, v in change.items():
+            setattr(bad.rl, k, v)
+        with pytest.raises(ValueError, match=needle):
+            RLTrainer._setup_lora(bad)
+    plain = rl_tiny_cpu()
+    assert RLTrainer._setup_lora(plain) is None and plain.model_spec.model.arch.lora is None
+    plain.rl.export_adapter_dir = "/tmp/x"
+    with pytest.raises(ValueError, match="needs a LoRA run"):
+        RLTrainer._setup_lora(plain)

@@ -121,7 +121,7 @@ def main() -> int:
     env = environment(dev)
     if args.smoke:
         args.decode, args.prefill, args.chunk, args.block_size = f"{SPLIT + 100}:1,2", f"{SPLIT + 40}", 256, 48
-    decode = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in args.decode.split(";"))]
+    decode = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in args.decode.split(";") if x)]
     prefill = [int(x) for x in args.prefill.split(",") if x]
     alt = [int(x) for x in args.alt_block_n.split(",") if x]
     if bad := [w for w in alt if SPLIT % w]:
@@ -200,28 +200,30 @@ def main() -> int:
         chunks = [(s, min(s + args.chunk, L)) for s in range(0, L, args.chunk)]
         segm = _segm_buffers(dev) if vllm_run is not None else {}
 
-        def bi_prefill() -> None:
+        res = torch.empty_like(q)  # every BI variant copies its chunks here, so their bits can be compared
+
+        def bi_prefill(how: Launch | None = None) -> torch.Tensor:
             for s, e in chunks:
                 cuq = torch.tensor([0, e - s], dtype=torch.int32, device=dev)
-                bi_attention_fwd(q[s:e], kc, vc, cuq, cuq[1:] + s, e - s, scale, block_table=bt)
+                res[s:e].copy_(bi_attention_fwd(q[s:e], kc, vc, cuq, cuq[1:] + s, e - s, scale, block_table=bt,
+                                                launch=how))
+            return res.clone()
 
         def vllm_prefill() -> None:
             for s, e in chunks:
                 cuq = torch.tensor([0, e - s], dtype=torch.int32, device=dev)
                 vllm_run(q[s:e], kc, vc, out[s:e], cuq, e - s, cuq[1:] + s, e, bt, scale, segm)
 
-        variants = {"bi_split": bi_prefill}
+        variants: dict[str, Callable[[], Any]] = {"bi_split": bi_prefill}
         for name, how in _launch_variants("tile"):
-            def bi_variant(how: Launch = how) -> None:
-                for s, e in chunks:
-                    cuq = torch.tensor([0, e - s], dtype=torch.int32, device=dev)
-                    bi_attention_fwd(q[s:e], kc, vc, cuq, cuq[1:] + s, e - s, scale, block_table=bt, launch=how)
-            variants[name] = bi_variant
+            variants[name] = lambda how=how: bi_prefill(how)
         for w in alt:
             variants[f"n{w}_tile"] = _with_block_n(w, bi_prefill)
         if vllm_run is not None:
             variants["vllm"] = vllm_prefill
-        row = _time(variants, timer, max(2, args.reps // 3))
+        row = {"variants_equal": _same_bits(variants, exclude=("vllm",) + tuple(f"n{w}_tile" for w in alt))}
+        row["bits_differ"] = [n for n, ok in row["variants_equal"].items() if not ok]
+        row.update(_time(variants, timer, max(2, args.reps // 3)))
         flops = 2 * 2 * N_HEADS * HEAD_DIM * L * (L + 1) / 2  # QK^T and PV over the causal triangle
         row.update(case=f"prefill 1x{L} (chunks of {args.chunk})", ctx=L, B=1, flops=flops)
         if cuda:
@@ -256,7 +258,8 @@ def main() -> int:
 
 
 def _launch_variants(path: str) -> list[tuple[str, Launch]]:
-    """Launches other than the shipped one (``LAUNCH[path]``) to time beside it: prefetch on/off, 2-4 stages."""
+    """Launches other than the shipped one (``LAUNCH[path]``) to time beside it: prefetch on/off, 2-3 stages and,
+    for the per-tile path, query tiles of 128 rows."""
     shipped = LAUNCH[path]
     out = []
     for pf in (0, 1):
@@ -264,6 +267,9 @@ def _launch_variants(path: str) -> list[tuple[str, Launch]]:
             how = Launch(prefetch=pf, stages=st)
             if how != shipped:
                 out.append((f"{path}_pf{pf}_st{st}", how))
+    if path == "tile":  # taller query tiles: twice the rows per key block read (bits checked like every variant)
+        for rows, warps in ((128, 8), (128, 16)):
+            out.append((f"tile_r{rows}_w{warps}", Launch(stages=shipped.stages, rows=rows, warps=warps)))
     return out
 
 

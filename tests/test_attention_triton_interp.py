@@ -141,6 +141,10 @@ def _check_splits() -> None:
             assert (o.double() - ref).abs().max() <= tol * ref.abs().max()
             s0, e0 = cu[0].item(), cu[1].item()
             split_ref = split_attention_reference(q[s0:e0], k[s0:e0], v[s0:e0], 0, scale, split=128, block_n=64)
+            # a taller query tile (42 queries of GQA 3 in 128 rows) walks the same splits and blocks per row
+            tall = at.bi_attention_fwd(q, k, v, cu, sl, max(lens), scale, k_start=cu[:-1].clone(),
+                                       launch=at.Launch(rows=128))
+            assert torch.equal(tall, o)
             assert (o[s0:e0].double() - split_ref.double()).abs().max() <= tol * ref.abs().max()
             # (cache block size, split programs per sequence and KV head): 48 is not a power of two, 64
             # programs leave most of them without a split

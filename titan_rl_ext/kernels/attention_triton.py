@@ -78,6 +78,11 @@ class Launch:
 
     prefetch: int = 0
     stages: int | None = None
+    # per-tile path only: rows of a query tile and warps (None: the table's). On Hopper a tile of 64 or more rows
+    # is cut into 64-row warpgroup instructions, so a taller tile may keep every row's bits -- which a benchmark
+    # checks against the table's tile before a launch may use it; the split path's tile is the table's.
+    rows: int | None = None
+    warps: int | None = None
 
 
 # With key blocks of 64 at head size 256 neither path gains from loading the next block ahead in software (the
@@ -393,8 +398,13 @@ def bi_attention_fwd(
         how = how_split
     else:
         ws_acc = ws_ml = o  # unused pointer arguments still need a tensor
-        grid = (triton.cdiv(max_q, bm // gqa), S, n_kv)
         how = launch or LAUNCH["tile"]
+        if how.rows is not None:
+            if how.rows < bm or how.rows & (how.rows - 1):
+                raise ValueError(f"a query tile of {how.rows} rows: must be a power of two >= the table's {bm}")
+            bm = how.rows
+        warps = how.warps or warps
+        grid = (triton.cdiv(max_q, bm // gqa), S, n_kv)
     dummy = cu_q
     common = dict(N_HEADS=N, GQA=gqa, HEAD_DIM=H, BLOCK_D=block_d, SPLIT=SPLIT)
     # no contraction of a*b + c into fma: the fold must round alike in both kernels (see the module doc)

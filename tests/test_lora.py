@@ -140,3 +140,69 @@ def test_refuses_an_adapter_config_it_would_compute_differently() -> None:
     for field, value in [("use_dora", True), ("use_rslora", True), ("bias", "all"), ("lora_dropout", 0.1)]:
         with pytest.raises(LoRAConfigError):
             from_peft_config({**good, field: value})
+
+
+_FSDP_SCRIPT = r"""
+import copy, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from titan_rl_ext.kernels.batch_invariant import set_batch_invariant
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.common.lora import TARGETS, LoRAConfig, is_lora_param, lora_modules, lora_state_dict
+from titan_rl_ext.models.common.precision import compute_view, fp32_param_names
+from titan_rl_ext.models.common.titan_protocol import apply_fsdp
+from titan_rl_ext.models.hf import load_hf_model
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+cfg = LoRAConfig(rank=4, alpha=8.0, targets=tuple(TARGETS))
+master, _ = load_hf_model(sys.argv[1], dtype=torch.float32, lora=cfg)
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for m in lora_modules(master).values():  # a trained adapter: B off zero
+        m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.05)
+# the generator: the base checkpoint in bf16 with identity adapters, then the trainer's adapter push
+served, _ = load_hf_model(sys.argv[1], dtype=torch.bfloat16, lora=cfg)
+apply_fsdp(master, init_device_mesh("cpu", (1,)), torch.bfloat16)  # fp32 master, bf16 compute
+full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in master.state_dict().items()}
+push = lora_state_dict(compute_view(full, torch.bfloat16, fp32_param_names(master)))
+assert push and all(is_lora_param(k) and v.dtype == torch.bfloat16 for k, v in push.items())
+with torch.no_grad():
+    for k, v in push.items():
+        served.get_parameter(k).copy_(v)
+
+lengths = [7, 12, 5]
+tokens = torch.randint(3, 500, (sum(lengths),), generator=g)
+targets = torch.randint(3, 500, (sum(lengths),), generator=g)
+batch = SeqBatch.from_lengths(lengths)
+set_batch_invariant(True)
+with torch.no_grad():
+    ours = master.packed_token_logprobs(tokens, batch, targets)
+    theirs = served.packed_token_logprobs(tokens, batch, targets)
+assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+set_batch_invariant(False)
+# only the adapters train under FSDP: fp32 gradients on them, none on the frozen base
+(-master.packed_token_logprobs(tokens, batch, targets).mean()).backward()
+for n, p in master.named_parameters():
+    assert (p.grad is not None) == is_lora_param(n), n
+    assert p.grad is None or p.grad.dtype == torch.float32, n
+print("LORA FSDP OK")
+dist.destroy_process_group()
+"""
+
+
+def test_lora_under_fsdp_mixed_precision_matches_the_served_bf16_model_and_trains_adapters_only(tiny_ckpt) -> None:
+    """The trainer's FSDP2 path (fp32 master, bf16 compute): the pushed adapter on a bf16 server's model gives the
+    trainer's logprobs bit for bit under BI, and only the adapters get gradients."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT, str(tiny_ckpt("qwen3_5", layout="text"))],
+                       capture_output=True, text=True, timeout=300, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "LORA FSDP OK" in out, out[-4000:]

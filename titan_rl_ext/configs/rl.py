@@ -628,9 +628,11 @@ def rl_lora_9b() -> Any:
         lora_rank=LORA_9B_RANK, lora_alpha=2.0 * LORA_9B_RANK, lora_targets=list(LORA_HYBRID_TARGETS),
         export_adapter_dir=str(cache_dir() / "outputs" / "rl_lora_9b" / "adapter"))
     cfg.model_spec.model.batch_invariant = True
-    # bf16 weights, no fp32 master copy: the frozen base never updates, and the adapters' AdamW runs in bf16
-    cfg.training.dtype = cfg.training.mixed_precision_param = "bfloat16"
+    if torch.cuda.is_available():  # (on a CPU the recipe keeps _gpu_recipe's fp32 server and trainer)
+        # bf16 weights, no fp32 master copy: the frozen base never updates, and the adapters' AdamW runs in bf16
+        cfg.training.dtype = cfg.training.mixed_precision_param = "bfloat16"
     cfg.training.steps = 20
-    cfg.optimizer.lr = 1e-4
+    for group in cfg.optimizer.param_groups:  # LoRA's usual rate (the full-model recipe's 5e-5 barely moves B)
+        group.optimizer_kwargs["lr"] = 1e-4
     cfg.dump_folder = str(cache_dir() / "outputs" / "rl_lora_9b")
     return cfg

@@ -106,6 +106,12 @@ def test_lora_rl_is_exact_and_pushes_adapters_only(lora_run: dict[str, Any]) -> 
             assert r["bit_wise/logprob_diff/max"] == 0.0, r
     # the adapters learnt something (a non-zero B moves the logits: the exactness above is not the base's alone)
     assert any(r["grad_norm"] > 0 for r in recs)
+    # every token carries the adapter version that sampled it; the last step's are from trained adapters (window 2:
+    # version >= 2, B moved by step 1) and were checked exactly too
+    rolls = _records(lora_run["run"] / "rollouts.jsonl")
+    last_versions = {v for g in rolls[-1]["groups"] for smp in g["samples"] for v in smp["token_versions"]}
+    assert last_versions and min(last_versions) >= 2, last_versions
+    assert recs[-1]["bit_wise/num_tokens"] + recs[-1].get("bit_wise_stale/num_tokens", 0) > 0, recs[-1]
 
     # only the adapters train: torchtitan built the optimizer over them alone
     base, _ = load_hf_model(lora_run["model_dir"])

@@ -29,7 +29,8 @@ _AUTO_FREE_FRACTION = 0.25
 
 
 class StaleGap:
-    def __init__(self, keep: int, model_dir: str, device: str = "auto", chunk_tokens: int = 0, lora: Any = None) -> None:
+    def __init__(self, keep: int, model_dir: str, device: str = "auto", chunk_tokens: int = 0,
+                 lora: Any = None) -> None:
         """``lora``: the trainer's ``LoRAConfig`` (None: none), so the second model has its adapters."""
         if device not in DEVICES:
             raise ValueError(f"stale gap device must be one of {DEVICES}, got {device!r}")

@@ -13,9 +13,10 @@ One ``train_step`` (torchtitan's ``train()`` drives the loop, the checkpointer a
    (``rl/loss_chunks.py``); the forward's detached logprobs are the trainer's recompute for the
    ``bit_wise/*`` metrics against the generator's logprobs (exactly 0 under batch invariance on both sides);
 3. grad clip, optimizer + LR scheduler step;
-4. push the full titan state dict -- with LoRA (``rl.lora_rank``) the adapter tensors alone -- to every generator
-   (``WeightPusher``) every ``push_every`` steps (and at the last step), bump the version, log metrics (``RUN_DIR/metrics.jsonl``, per-sample
-   token versions in ``RUN_DIR/rollouts.jsonl``, and torchtitan's metrics processor).
+4. push the full titan state dict -- with LoRA (``rl.lora_rank``) the adapter tensors alone -- to every
+   generator (``WeightPusher``) every ``push_every`` steps (and at the last step), bump the version, log
+   metrics (``RUN_DIR/metrics.jsonl``, per-sample token versions in ``RUN_DIR/rollouts.jsonl``, and
+   torchtitan's metrics processor).
 
 Versions: the weights after ``n`` optimizer steps are version ``n`` (``self.rl_version``; it is in
 ``state_dict()`` so a resumed run continues it and re-pushes its weights to the generators first).
@@ -328,7 +329,8 @@ class RLTrainer(Trainer):
             base = sorted(k for k in ours if k not in adapters and theirs.get(k) != ours[k])
             if base:
                 return (f"LoRA: {url} serves other base weights than the trainer's ({len(base)} tensors differ, e.g. "
-                        f"{base[:3]}); an adapter-only run never pushes the base: serve the checkpoint {self.config.rl.model_dir}")
+                        f"{base[:3]}); an adapter-only run never pushes the base: serve the checkpoint "
+                        f"{self.config.rl.model_dir}")
         return None
 
     def _connect_generators(self) -> dict[str, tuple[int, str | None]]:

@@ -85,7 +85,8 @@ def push_spec(expected: dict[str, list[Any]], got: dict[str, list[Any]]) -> dict
 
 
 def check_push(expected: dict[str, list[Any]], got: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """``check_spec`` against ``push_spec``; returns the set the push carries. An adapter-only push's refusal says so."""
+    """``check_spec`` against ``push_spec``; returns the set the push carries. An adapter-only push's refusal
+    says so."""
     want = push_spec(expected, got)
     if want is expected:
         check_spec(expected, got)

@@ -15,8 +15,9 @@ group, the trainer rank 0); ``titan_gloo_relay`` sends it to one of them (the ho
 to the other over a host-local group. After each push both serve the trainer's tensors bit for bit (the
 checksums route against ``tensor_checksum``) and a greedy completion's logprobs from each equal the trainer's
 recompute under BI (``differing == 0``); a push that dies midway (the trainer raises while sending its third
-bucket) commits nowhere; a generator killed between versions is reported out of that version (the other one
-takes it), and once restarted on its port joins the next version's group and serves it."""
+bucket) commits nowhere; a generator killed mid-broadcast is reported out of that version while the other one
+takes it (the group rebuilt without it, the version sent again), and once restarted on its port joins the next
+version's group and serves it."""
 
 from __future__ import annotations
 
@@ -425,22 +426,36 @@ def test_push_killed_midway_commits_nowhere(fleet: Fleet, monkeypatch: pytest.Mo
         pusher.transport.close()
 
 
-def test_restarted_generator_rejoins_at_the_next_version(fleet: Fleet) -> None:
+def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server 1 dies while version 7's second bucket goes out: the collective breaks for both, the trainer
+    rebuilds the group with server 0 alone and sends v7 again (server 1 reported out); server 1, restarted on
+    its port meanwhile, joins v8's group."""
     from titan_rl_ext.rl.generator_server import GeneratorServer
     from titan_rl_ext.rl.weight_sync import WeightPushError
+    from vllm_titan_plugin.swap import relay
 
     f = fleet
     pusher = _pusher(f)
+    real_pack, calls = relay.pack, []
+
+    def kill_at_second_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(len(tensors))
+        if len(calls) == 2:
+            old = f.servers[1]
+            _kill(old)
+            f.servers[1] = GeneratorServer(f.model_dir, f.log_dir / "server1-restart.log", SERVER_ARGS, _env(),
+                                           port=old.port)  # boots while v7 goes out again
+        return real_pack(tensors)
+
     try:
         pusher.push(_weights(f, 6), 6)
-        old = f.servers[1]
-        _kill(old)
-        f.servers[1] = GeneratorServer(f.model_dir, f.log_dir / "server1-restart.log", SERVER_ARGS, _env(),
-                                       port=old.port)  # boots while the next version goes out
+        monkeypatch.setattr(relay, "pack", kill_at_second_bucket)
         with pytest.raises(WeightPushError) as e:
             pusher.push(_weights(f, 7), 7)
+        monkeypatch.setattr(relay, "pack", real_pack)
         ok = {r["url"]: r["ok"] for r in e.value.results}
         assert ok == {f.urls[0]: True, f.urls[1]: False}, e.value.results
+        assert pusher.transport._builds == 2  # both, then server 0 alone for the second try
         _assert_serves(f, pusher, f.urls[0], 7)
         f.servers[1].wait_ready()
         assert _served(f.urls[1]) == 0  # a fresh process: the checkpoint
@@ -448,7 +463,7 @@ def test_restarted_generator_rejoins_at_the_next_version(fleet: Fleet) -> None:
         assert {a["boot_id"] for a in answers} == {pusher.boot_id(u) for u in f.urls}
         for url in f.urls:
             _assert_serves(f, pusher, url, 8)
-        assert pusher.transport._builds == 3  # both, then the one left, then both again
+        assert pusher.transport._builds == 3  # both again
     finally:
         pusher.transport.close()
 

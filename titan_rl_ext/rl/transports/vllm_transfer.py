@@ -146,6 +146,7 @@ class VllmTransferTransport:
         self._group: Any = None
         self._topology: Topology | None = None
         self._building: dict[str, str] = {}
+        self._opened: list[str] = []  # members with an update session opened by the push in progress
         self._lock = threading.Lock()  # one push at a time: the group carries one version's bytes
 
     # -- the WeightTransport protocol (``WeightPusher.push_each`` calls ``push_all`` instead) ---------------
@@ -187,11 +188,14 @@ class VllmTransferTransport:
         version = int(params["version"])
         with self._lock:
             results: dict[str, PushResult] = {}
+            self._opened = []
             try:
                 buckets = self.buckets(state_dict)
                 self._push(list(urls), buckets, version, results)
             except BaseException:
                 self._close()  # the generators' receives fail now; none of them commits
+                if self._opened:
+                    self._end_sessions(self._opened)  # best effort: the next push would close them anyway
                 raise
         ordered = []
         for url in urls:
@@ -220,6 +224,7 @@ class VllmTransferTransport:
             except TransferFailed as e:
                 self._close()
                 still = self._boots(live)
+                self._end_sessions([u for u in live if still[u] == boots[u]])  # a member may have all of it staged
                 lost = [u for u in live if still[u] != boots[u]]
                 if attempt == 0 and lost and len(lost) < len(live):
                     logger.warning("%s push v%d: %d generator(s) lost mid-transfer (%s); sending again without them",
@@ -296,12 +301,27 @@ class VllmTransferTransport:
             raise TransferFailed("; ".join(f"{u} {path}: HTTP {r['status']} {str(r['error'])[:300]}"
                                            for u, r in bad.items()))
 
+    def _start(self, live: list[str]) -> None:
+        """``start_weight_update`` on every member. vLLM's worker refuses it while an earlier session is open
+        (a transfer that failed after a member had received everything, or a trainer that died before its
+        finish): such a member's session is closed first (``_end_sessions``) and asked once more."""
+        self._opened = list(live)
+        got = self._call_all(START, {u: None for u in live})()
+        if stuck := [u for u, r in got.items() if not r["ok"] and r["status"] is not None]:
+            self._end_sessions(stuck)
+            got.update(self._call_all(START, {u: None for u in stuck})())
+        self._check(got, START)
+
+    def _end_sessions(self, urls: list[str]) -> None:
+        """Close whatever update session ``urls`` have open, committing nothing: a ``finish_weight_update``
+        without a ``weight_version`` is refused (400) before any commit, and the titan server closes the
+        workers' session and drops their staging whatever the finish answered (``swap.transfer_commit``)."""
+        self._call_all(FINISH, {u: {} for u in urls})()
+
     def _transfer(self, live: list[str], buckets: list[Bucket]) -> None:
         from vllm_titan_plugin.swap.relay import pack
 
-        t0 = time.perf_counter()
-        self._check(self._call_all(START, {u: None for u in live})(), START)
-        logger.debug("%s start_weight_update on %d generators: %.3f s", NAME, len(live), time.perf_counter() - t0)
+        self._start(live)
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         for bucket in buckets:
             answers = self._call_all(UPDATE, {u: {"update_info": bucket.info()} for u in live})

@@ -1,0 +1,140 @@
+"""The broadcast push's pieces without servers (issue 43): packed buckets, the groups' layout, bad input.
+
+``swap.relay``'s packing must give back every tensor bit for bit (any dtype, empty and odd-sized ones) from
+metadata alone; the transport's buckets and its relay topology (one lead per host, followers ranked after it);
+the engine's init and update infos refuse what they cannot use with a message naming it; and two processes'
+worth of groups on one store (the trainer's and a host's) carry a packed bucket through a lead to a follower.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from vllm_titan_plugin.swap import relay
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"a": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+            "empty": torch.empty(0, 4), "c": torch.randint(0, 9, (3,), generator=g, dtype=torch.int64),
+            "d": torch.randn(2, 3, generator=g).to(torch.float16)}
+
+
+def test_pack_unpack_is_bit_exact_from_metadata() -> None:
+    ts = _tensors()
+    buf = relay.pack(list(ts.values()))
+    spans, total = relay.packed_layout([t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
+    assert buf.dtype == torch.uint8 and buf.numel() == total
+    assert all(off % relay.ALIGN_BYTES == 0 for off, _ in spans)
+    back = relay.unpack(buf, [t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
+    for (name, t), u in zip(ts.items(), back):
+        assert u.dtype == t.dtype and torch.equal(u, t), name
+    with pytest.raises(ValueError, match="bytes"):
+        relay.unpack(buf[:-1], [t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
+
+
+def test_buckets_and_relay_topology() -> None:
+    from titan_rl_ext.rl.transports import make_transport
+    from titan_rl_ext.rl.transports.vllm_transfer import Topology
+
+    class FakeLink:
+        transport_options = {"bucket_bytes": 64}
+
+        def dev_post(self, *a: Any) -> Any: ...
+
+        def boot_id(self, url: str) -> str: ...
+
+    t = make_transport("titan_gloo_relay", FakeLink())  # type: ignore[arg-type]
+    ts = _tensors()
+    buckets = t.buckets(ts)
+    assert [n for b in buckets for n in b.names] == list(ts)  # every tensor once, in order
+    assert all(b.nbytes <= 64 or len(b.names) == 1 for b in buckets)
+    assert all(b.info()["packed"] and b.info()["name_format"] == "titan" for b in buckets)
+
+    urls = ["http://h1:1", "http://h2:1", "http://h1:2", "http://h1:3"]
+    topo = t._topology_of({u: f"boot-{i}" for i, u in enumerate(urls)})
+    assert topo.leads == ["http://h1:1", "http://h2:1"]
+    assert topo.followers == {"http://h1:1": ["http://h1:2", "http://h1:3"], "http://h2:1": []}
+    infos = topo.init_infos("10.0.0.1", 4000, "titan/x/1", 30.0)
+    assert infos["http://h1:1"]["rank_offset"] == 1 and infos["http://h2:1"]["rank_offset"] == 2
+    assert all(i.get("world_size") in (None, 3) for i in infos.values())  # trainer + 2 leads
+    assert infos["http://h1:1"]["relay_rank"] == 0 and infos["http://h1:3"]["relay_rank"] == 2
+    assert "relay_group" not in infos["http://h2:1"]  # alone on its host: a plain member
+    flat = Topology({u: "b" for u in urls}, list(urls)).init_infos("a", 1, "p", 1.0)
+    assert sorted(i["rank_offset"] for i in flat.values()) == [1, 2, 3, 4]
+
+    with pytest.raises(ValueError, match="unknown transport options"):
+        class Bad(FakeLink):
+            transport_options = {"bucket_mb": 1}
+
+        make_transport("titan_gloo", Bad())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dev_post"):
+        make_transport("titan_gloo", object())  # type: ignore[arg-type]
+
+
+def test_engine_infos_refuse_bad_input() -> None:
+    pytest.importorskip("vllm")
+    from vllm_titan_plugin.swap.transfer_engine import TitanGlooInitInfo, TitanGlooUpdateInfo
+
+    ok = dict(master_address="127.0.0.1", master_port=4000, rank_offset=1, world_size=2)
+    TitanGlooInitInfo(**ok)
+    assert TitanGlooInitInfo(master_address="a", master_port=1, group_name="g", relay_group="h", relay_rank=1,
+                             relay_size=2).follower
+    for bad, match in [({"rank_offset": 0}, "rank_offset"), ({"world_size": 1}, "world_size"),
+                       ({"relay_group": "h", "relay_size": 2}, "group_name"),
+                       ({"group_name": "g", "relay_group": "h", "relay_size": 1}, "relay_size"),
+                       ({"group_name": "g", "relay_group": "h", "relay_size": 2, "relay_rank": 2}, "relay_rank"),
+                       ({"group_name": ""}, "group_name"), ({"timeout_s": 0}, "timeout_s")]:
+        with pytest.raises(ValueError, match=match):
+            TitanGlooInitInfo(**{**ok, **bad})
+    TitanGlooUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2]], packed=True, name_format="titan")
+    with pytest.raises(ValueError, match="name_format"):
+        TitanGlooUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2]], name_format="megatron")
+    with pytest.raises(ValueError, match="packed"):
+        TitanGlooUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2]], packed="yes")  # type: ignore[arg-type]
+
+
+def test_lead_relays_a_packed_bucket_to_its_follower_on_one_store() -> None:
+    """Trainer (rank 0) -> lead (trainer group rank 1, host group rank 0) -> follower (host group rank 1),
+    every group on the trainer's one store; threads stand in for the processes."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20),
+                     multi_tenant=True)
+    ts = list(_tensors().values())
+    dtypes, shapes = [t.dtype for t in ts], [list(t.shape) for t in ts]
+    got: dict[str, Any] = {}
+
+    def lead() -> None:
+        client = relay.client_store("127.0.0.1", store.port, 20)
+        net = relay.process_group(client, "run/1/net", 1, 2, "gloo", 20)
+        host = relay.make_fanout(client, "run/1/host0", 0, 2, "gloo", 20)
+        buf = torch.empty(relay.packed_layout(dtypes, shapes)[1], dtype=torch.uint8)
+        net.broadcast(buf, 0).wait()
+        host.pass_on(buf)
+        got["lead"] = relay.unpack(buf, dtypes, shapes)
+
+    def follower() -> None:
+        client = relay.client_store("127.0.0.1", store.port, 20)
+        host = relay.make_fanout(client, "run/1/host0", 1, 2, "gloo", 20)
+        buf = torch.empty(relay.packed_layout(dtypes, shapes)[1], dtype=torch.uint8)
+        host.take(buf)
+        got["follower"] = relay.unpack(buf, dtypes, shapes)
+
+    threads = [threading.Thread(target=fn) for fn in (lead, follower)]
+    for th in threads:
+        th.start()
+    trainer = relay.process_group(store, "run/1/net", 0, 2, "gloo", 20)
+    trainer.broadcast(relay.pack(ts), 0).wait()
+    for th in threads:
+        th.join(30)
+    for who in ("lead", "follower"):
+        assert all(torch.equal(a, b) for a, b in zip(got[who], ts)), who
+    with pytest.raises(ValueError, match="backend"):
+        relay.process_group(store, "x", 0, 1, "mpi", 1)

@@ -567,7 +567,8 @@ def lora_memory_split(shape: Mapping[str, Any], *, rank: int, targets: tuple[str
         del split[k]
     split.update({"trainer/base_bf16": 2 * n / GIB, "trainer/adapters_bf16_grads_adam": 4 * 2 * a / GIB,
                   "trainer/stale_gap_model_bf16": (2 * (n + a) / GIB) if stale_versions else 0.0,
-                  "host/stale_gap_versions_bf16": stale_versions * 2 * (n + a) / GIB})
+                  # the base kept once, each version's adapters on their own (``StaleGap`` with ``lora``)
+                  "host/stale_gap_versions_bf16": (2 * n + stale_versions * 2 * a) / GIB if stale_versions else 0.0})
     split["trainer"] = sum(v for k, v in split.items() if k.startswith("trainer/"))
     split["total"] = split["trainer"] + split["generator"]
     split["adapter_params_m"] = a / 1e6
@@ -603,7 +604,7 @@ def rl_lora_9b() -> Any:
     parameters), 60.8 GiB of an 80 GB card: trainer 34.8 GiB = base bf16 12.9 + stale-gap model 13.0 + adapters with
     gradients and AdamW 0.3 + activations of one 1 K-token loss chunk ~5.6 + overhead 3; generator 26.0 GiB = weights
     12.9 + GDN state of 128 sequences 6.1 + KV 4.0 + overhead 3 (its ``--gpu-memory-utilization`` is set from this);
-    host: the 3 kept versions, 38.9 GiB. With the published checkpoint (248 K vocabulary) add ~3.8 GiB per copy of
+    host: the stale gap's base once and 3 versions' adapters, 13.1 GiB. With the published checkpoint (248 K vocabulary) add ~3.8 GiB per copy of
     the weights (trainer, stale-gap model, generator)."""
     import torch
 

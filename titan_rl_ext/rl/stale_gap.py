@@ -16,6 +16,9 @@ The recompute runs in the trainer's loss chunks (``chunk_tokens``, ``rl.loss_chu
 longer one alone): one version's stale samples of a long-answer step are hundreds of thousands of tokens, whose
 single forward would take tens of GB beside a trainer and generator budgeted to fill the GPU. Under batch invariance the chunks'
 logprobs are the one pass's bit for bit (a row's bits do not depend on the rows packed with it).
+
+LoRA runs (``lora``): the base weights never move, so they are kept once and each version keeps only its adapters
+(a push then copies the adapters, not the model, and the second model's base is pointed at or converted once).
 """
 
 from __future__ import annotations
@@ -39,12 +42,19 @@ class StaleGap:
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # version -> weights
         self._scratch: Any = None  # the second model, built on first use
         self._store: torch.device | None = None  # where the versions live, chosen at the first remember
+        # LoRA: the base never moves, so it is kept once and each version keeps its adapters alone
+        self._base: dict[str, torch.Tensor] | None = None
+        self._base_set = False  # the second model's parameters already point at the (converted) base
 
     def _where(self, sd: dict[str, torch.Tensor]) -> torch.device:
         dev = next(iter(sd.values())).device
         if self.device == "cpu" or dev.type != "cuda":
             return torch.device("cpu")
-        need = self.keep * sum(t.numel() * t.element_size() for t in sd.values())
+        from titan_rl_ext.models.common.lora import is_lora_param
+
+        per_version = sum(t.numel() * t.element_size() for n, t in sd.items() if self.lora is None or is_lora_param(n))
+        base = sum(t.numel() * t.element_size() for n, t in sd.items() if self.lora is not None and not is_lora_param(n))
+        need = base + self.keep * per_version
         free, _ = torch.cuda.mem_get_info(dev)
         return dev if need <= _AUTO_FREE_FRACTION * free else torch.device("cpu")
 
@@ -54,6 +64,12 @@ class StaleGap:
             return
         if self._store is None:
             self._store = self._where(sd)
+        if self.lora is not None:
+            from titan_rl_ext.models.common.lora import is_lora_param
+
+            if self._base is None:
+                self._base = {n: t.detach().to(self._store, copy=True) for n, t in sd.items() if not is_lora_param(n)}
+            sd = {n: t for n, t in sd.items() if is_lora_param(n)}
         self.history[version] = {n: t.detach().to(self._store, copy=True) for n, t in sd.items()}
         for old in sorted(self.history)[:-self.keep]:
             del self.history[old]
@@ -62,13 +78,15 @@ class StaleGap:
         """Point the second model's parameters at ``version``'s weights: the kept tensors themselves where they
         already have the parameter's device and dtype (no copy), a converted copy otherwise; buffers are copied.
         Strict, as ``load_state_dict``."""
-        weights = self.history[version]
+        weights = self.history[version] if self._base is None else {**self._base, **self.history[version]}
         own = dict(self._scratch.state_dict(keep_vars=True))
         if own.keys() != weights.keys():
             missing, extra = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
             raise KeyError(f"version {version}'s weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
         with torch.no_grad():
             for name, mine in own.items():
+                if self._base_set and name in self._base:  # type: ignore[operator]
+                    continue  # the base, pointed at (or converted) by an earlier call: the same for every version
                 w = weights[name]
                 if w.shape != mine.shape:
                     raise ValueError(f"version {version}: {name} has shape {tuple(w.shape)}, the model {tuple(mine.shape)}")
@@ -78,6 +96,7 @@ class StaleGap:
                     mine.data = w
                 else:  # the conversion load_state_dict's copy_ would make
                     mine.data = w.to(mine.device, mine.dtype)
+        self._base_set = self._base is not None
 
     def recompute(self, packed: Any, version: int, dtype: torch.dtype) -> torch.Tensor:
         """The logprobs ``[T]`` of ``packed``'s samples (``pack_samples``, on the device to compute on) under

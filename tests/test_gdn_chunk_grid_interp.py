@@ -1,14 +1,18 @@
-"""The gated delta rule on a chunk grid anchored at each sequence's first token (``kernels.gdn_chunk_grid``), on
-CPU under the Triton interpreter.
+"""The chunk-grid gated delta rule (``kernels.gdn_chunk_grid``): its prefill, decode and continued-prefill kernels
+on CPU under the Triton interpreter.
 
-What holds to a tolerance: the boundary states against the plain-PyTorch chunk form in float64
-(``boundary_states_torch``) and the outputs and final states against the token-by-token reference in float64 --
-5e-6 absolute on values of order 1: fp32 arithmetic over a few chunks (measured ~2e-7), with room for the series
-inverse and the cumulative decay rounding differently from the references.
-What must hold exactly (``torch.equal``), because a trainer and a generator would both compute this form: a
-sequence alone == the same sequence packed among others (the grid is anchored per sequence); a prefill cut at a
-chunk boundary and continued from the first part's final state == one call; a chunk size the kernels cannot tile
-is refused.
+What holds to a tolerance (values of order 1, a few chunks): the kernels against the definition in float64
+(``reference_float64``), 2e-6 -- fp32 rounding over a few chunks measures ~2e-7, with room for the sequential
+cumulative decay and the substitution rounding differently from the float64 triangular solves -- and against the
+token-by-token rule in fp32 (``kernels.gdn.recurrent_gated_delta_rule_torch``), 2e-6 likewise (two fp32 forms of
+one recurrence).
+What must hold exactly (``torch.equal``), because a trainer and a generator both compute this form: (a) a whole
+prefill == (b) token-by-token decode steps == (c) a prefill cut anywhere (chunk boundaries, mid-chunk, after one
+token) and continued, interleaved with decode steps, for outputs, boundary state, open-chunk buffer rows and the
+final state; a packed batch == each sequence alone; a decode batch at mixed positions == each sequence alone; the
+plain-PyTorch fixed-order form == the kernels given the interpreter's exp (numpy's, which rounds differently
+from torch's). Both the shipped chunk (64) and a small one (16, more chunks per sequence) run; value heads
+outnumber key heads (GQA).
 
 Runs in a subprocess with ``TRITON_INTERPRET=1``. Skipped where triton is missing.
 """
@@ -30,14 +34,15 @@ def test_gdn_chunk_grid_under_interpreter() -> None:
 # ------------------------------------------------------------------------------------------------
 # the checks, run in the subprocess
 
-H, HV, K, V, C = 2, 4, 16, 48, 16  # grouped value heads; V 48: two column blocks of the chain, the second masked
-TOL = 5e-6
+TOL = 2e-6
+SCALE = 0.25
 
 
-def _inputs(T: int, seed: int):  # type: ignore[no-untyped-def]
+def _inputs(T: int, heads: tuple[int, int, int, int], seed: int):  # type: ignore[no-untyped-def]
     import torch
     import torch.nn.functional as F
 
+    H, HV, K, V = heads
     g = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
     k = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
@@ -47,60 +52,125 @@ def _inputs(T: int, seed: int):  # type: ignore[no-untyped-def]
     return q, k, v, gate, beta
 
 
+def _np_exp(x):  # type: ignore[no-untyped-def]
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.exp(x.numpy()))
+
+
 def _check_values() -> None:
     import torch
 
     from titan_rl_ext.kernels import gdn_chunk_grid as cg
     from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
 
-    cu = [0, 37, 37, 117]  # a sequence of 2 chunks + 5 tokens, an empty one, one of exactly 5 chunks
-    q, k, v, g, beta = _inputs(cu[-1], seed=1)
-    h0 = torch.randn(len(cu) - 1, HV, K, V, generator=torch.Generator().manual_seed(2)) * 0.1
-    states_ref, final_ref = cg.boundary_states_torch(k, v, g, beta, cu, h0, chunk=C)
-    states, final, cu_chunks = cg.boundary_states(k, v, g, beta, cu, h0, chunk=C)
-    assert cu_chunks.tolist() == [0, 16, 32, 37, 53, 69, 85, 101, 117]
-    assert (states.double() - states_ref).abs().max() < TOL
-    assert (final.double() - final_ref).abs().max() < TOL
-    o, fin = cg.gated_delta_rule_chunk_grid(q, k, v, g, beta, cu, 0.5, h0, chunk=C)
-    o_ref, fin_ref = recurrent_gated_delta_rule_torch(q.double(), k.double(), v.double(), g.double(), beta.double(),
-                                                      torch.tensor(cu), 0.5, h0.double())
-    assert (o.double() - o_ref.double()).abs().max() < TOL
-    assert (fin.double() - fin_ref.double()).abs().max() < TOL
-    assert torch.equal(fin[1], h0[1])  # the empty sequence keeps its state
+    heads, C = (2, 4, 16, 32), 16
+    cu = [0, 37, 37, 101]  # 2 chunks + 5 tokens, an empty sequence, exactly 4 chunks
+    x = _inputs(cu[-1], heads, seed=1)
+    h0 = torch.randn(3, heads[1], heads[2], heads[3], generator=torch.Generator().manual_seed(2)) * 0.1
+    S, buf = cg.new_state(3, *heads[1:], chunk=C, initial_state=h0)
+    o, fin = cg.prefill(*x, cu, SCALE, S, buf)
+    o64, fin64 = cg.reference_float64(*x, cu, SCALE, h0, chunk=C)
+    assert (o.double() - o64).abs().max() < TOL and (fin.double() - fin64).abs().max() < TOL
+    o_r, fin_r = recurrent_gated_delta_rule_torch(*x, torch.tensor(cu), SCALE, h0)
+    assert (o - o_r).abs().max() < TOL and (fin - fin_r).abs().max() < TOL
+    assert torch.equal(fin[1], h0[1]) and torch.equal(S[1], h0[1])  # the empty sequence keeps its state
+    assert torch.equal(S[2], fin[2])  # ended on a chunk boundary: the boundary state is the final state
+    # the plain-PyTorch fixed order: the kernels' bits with the interpreter's exp
+    S_t, buf_t = cg.new_state(3, *heads[1:], chunk=C, initial_state=h0)
+    o_t = cg.prefill_torch(*x, cu, SCALE, S_t, buf_t, exp=_np_exp)
+    assert torch.equal(o_t, o) and torch.equal(S_t, S) and torch.equal(buf_t[0, :, :5, :-3], buf[0, :, :5, :-3])
+    for bad in ((2, 4, 24, 32), (2, 3, 16, 32)):  # K not a power of two; HV not a multiple of H
+        try:
+            cg.prefill(*_inputs(4, bad, 0), [0, 4], SCALE, *cg.new_state(1, *bad[1:], chunk=C))
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"heads {bad} were not refused")
 
 
-def _check_invariance() -> None:
+def _equal_states(a: tuple, b: tuple, n_open: int) -> bool:  # type: ignore[type-arg]
+    """(S, buffer) pairs: S and the open chunk's rows bit for bit (not the rows' 3 pad columns: never written)."""
+    import torch
+
+    return torch.equal(a[0], b[0]) and torch.equal(a[1][:, :, :n_open, :-3], b[1][:, :, :n_open, :-3])
+
+
+def _check_one_sequence(C: int, heads: tuple[int, int, int, int], T: int, cuts: list[list[int]],
+                        decoded: tuple[int, int]) -> None:
+    """(a) == (b) == (c) on one sequence from a random state: every way of cutting it in ``cuts`` (prefill pieces),
+    and a prefill interrupted by decode steps at ``decoded = (first, last)`` tokens."""
     import torch
 
     from titan_rl_ext.kernels import gdn_chunk_grid as cg
 
-    q, k, v, g, beta = _inputs(100, seed=3)
-    lens = [21, 50, 29]  # the middle sequence starts mid-chunk of the packing's own 16-token grid
-    cu = [0, 21, 71, 100]
-    o_all, fin_all = cg.gated_delta_rule_chunk_grid(q, k, v, g, beta, cu, 0.5, chunk=C)
-    s, n = 21, lens[1]
-    o_one, fin_one = cg.gated_delta_rule_chunk_grid(q[s : s + n], k[s : s + n], v[s : s + n], g[s : s + n],
-                                                    beta[s : s + n], [0, n], 0.5, chunk=C)
-    assert torch.equal(o_all[s : s + n], o_one) and torch.equal(fin_all[1:2], fin_one)
-    # the generator's prefill cut at a chunk boundary, continued from the first part's final state
-    cut = 2 * C
-    o_a, fin_a = cg.gated_delta_rule_chunk_grid(q[s : s + cut], k[s : s + cut], v[s : s + cut], g[s : s + cut],
-                                                beta[s : s + cut], [0, cut], 0.5, chunk=C)
-    e = s + n
-    o_b, fin_b = cg.gated_delta_rule_chunk_grid(q[s + cut : e], k[s + cut : e], v[s + cut : e], g[s + cut : e],
-                                                beta[s + cut : e], [0, n - cut], 0.5, fin_a, chunk=C)
-    assert torch.equal(torch.cat([o_a, o_b]), o_one) and torch.equal(fin_b, fin_one)
-    for bad in (8, 24):
-        try:
-            cg.boundary_states(k, v, g, beta, cu, chunk=bad)
-        except ValueError as err:
-            assert "power of two" in str(err)
-        else:
-            raise AssertionError(f"chunk {bad} was not refused")
+    x = _inputs(T, heads, seed=T + C)
+    h0 = torch.randn(1, *heads[1:2], heads[2], heads[3], generator=torch.Generator().manual_seed(5)) * 0.1
+    whole = cg.new_state(1, *heads[1:], chunk=C, initial_state=h0)
+    o_w, fin_w = cg.prefill(*x, [0, T], SCALE, *whole)
+    for bounds in cuts:
+        st = cg.new_state(1, *heads[1:], chunk=C, initial_state=h0)
+        parts = []
+        for lo, hi in zip([0, *bounds], [*bounds, T]):
+            o_p, fin_p = cg.prefill(*(t[lo:hi] for t in x), [0, hi - lo], SCALE, *st, pos=[lo])
+            parts.append(o_p)
+        assert torch.equal(torch.cat(parts), o_w) and torch.equal(fin_p, fin_w), bounds
+        assert _equal_states(st, whole, T % C), bounds
+    # prefill, decode steps, prefill again
+    d0, d1 = decoded
+    st = cg.new_state(1, *heads[1:], chunk=C, initial_state=h0)
+    parts = [cg.prefill(*(t[:d0] for t in x), [0, d0], SCALE, *st)[0]]
+    for p in range(d0, d1):
+        parts.append(cg.decode(*(t[p:p + 1] for t in x), SCALE, *st, torch.tensor([p])))
+    o_e, fin_e = cg.prefill(*(t[d1:] for t in x), [0, T - d1], SCALE, *st, pos=[d1])
+    assert torch.equal(torch.cat([*parts, o_e]), o_w) and torch.equal(fin_e, fin_w)
+    assert _equal_states(st, whole, T % C)
+
+
+def _check_cuts_chunk16() -> None:
+    # 100 tokens: 6 chunks + 4; cut at boundaries, mid-chunk, after one token; decode steps across two folds
+    _check_one_sequence(16, (1, 2, 16, 16), 100, [[1], [16], [15, 17], [37, 64, 99]], (13, 35))
+
+
+def _check_cuts_chunk64() -> None:
+    # the shipped chunk: 130 tokens = 2 chunks + 2; decode steps across the fold at token 63
+    _check_one_sequence(64, (1, 2, 16, 16), 130, [[1], [63], [64], [65], [30, 100]], (61, 67))
+
+
+def _check_packed_and_decode_batch() -> None:
+    """Lengths 1, 63, 64, 65, 130 packed == each alone; then one decode batch at mixed positions == each alone."""
+    import torch
+
+    from titan_rl_ext.kernels import gdn_chunk_grid as cg
+
+    heads, C = (1, 2, 16, 16), 64
+    lens = [1, 63, 64, 65, 130]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    x = _inputs(cu[-1], heads, seed=7)
+    st = cg.new_state(len(lens), *heads[1:], chunk=C)
+    o, fin = cg.prefill(*x, cu, SCALE, *st)
+    for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+        one = cg.new_state(1, *heads[1:], chunk=C)
+        o_1, fin_1 = cg.prefill(*(t[lo:hi] for t in x), [0, hi - lo], SCALE, *one)
+        assert torch.equal(o[lo:hi], o_1) and torch.equal(fin[n:n + 1], fin_1), n
+        assert _equal_states((st[0][n:n + 1], st[1][n:n + 1]), one, lens[n] % C), n
+    # one more token for every sequence, in one call (rows 1, 63 -> a fold, 0, 1, 2 of their open chunks)
+    y = _inputs(len(lens), heads, seed=8)
+    pos = torch.tensor(lens)
+    batch = (st[0].clone(), st[1].clone())
+    o_b = cg.decode(*y, SCALE, *batch, pos)
+    for n in range(len(lens)):
+        one = (st[0][n:n + 1].clone(), st[1][n:n + 1].clone())
+        o_1 = cg.decode(*(t[n:n + 1] for t in y), SCALE, *one, pos[n:n + 1])
+        assert torch.equal(o_b[n:n + 1], o_1), n
+        assert _equal_states((batch[0][n:n + 1], batch[1][n:n + 1]), one, (lens[n] + 1) % C), n
 
 
 def _main() -> None:
-    run_checks((_check_values, _check_invariance))
+    run_checks((_check_values, _check_cuts_chunk16, _check_cuts_chunk64, _check_packed_and_decode_batch))
 
 
 if __name__ == "__main__":

@@ -1,238 +1,281 @@
-"""The gated delta rule on a chunk grid anchored at each sequence's first token: a long prompt's prefill (and the
-trainer's forward) without a token-long serial chain, computed one way whatever the batch.
+"""The gated delta rule on a chunk grid anchored at each sequence's first token, defined so that a whole-prompt
+prefill (parallel over chunks), a decode step (one token) and a prefill continued from a cut anywhere give the
+same bits.
 
-Why: the recurrent kernel (``kernels.gdn_triton``) steps a sequence token by token, ~0.7 us a token whatever its
-layout, so a 32K-token prompt costs ~22 ms per GDN layer however many programs share it (docs/benchmarks.md, "Long
-contexts and full depth", item 3). This form cuts the chain at every ``CHUNK`` tokens:
+Why: the recurrent kernel (``kernels.gdn_triton``) steps a sequence token by token, ~0.7 us a token however many
+programs share it, so a 32K-token prompt costs ~22 ms per GDN layer on an H100 (FLA's chunk kernel ~3 ms;
+docs/benchmarks.md section 19, item 3). Here the serial chain is one step per 64-token chunk, and a decode step
+repeats exactly the prefill's arithmetic for its row, so the trainer (packed prefill), the generator's prefill
+(whole or chunked) and its decode steps agree bit for bit.
 
-1. **boundary states**: the state entering chunk ``c + 1`` is the chunk (WY) form's update of the state entering
-   chunk ``c`` over the chunk's tokens -- one fixed-shape matrix step per chunk instead of ``CHUNK`` token steps:
-   with ``G_j`` the chunk's cumulative log decay up to token ``j``, ``A[j, l] = beta_j exp(G_j - G_l) k_j . k_l``
-   (``l < j``), ``T = (I + A)^-1``, the chunk's state change is ``S' = exp(G_last) S + (exp(G_last - G) k)^T D``
-   with ``D = T (beta v) - T (beta exp(G) k) S`` (``kernels.gdn.chunk_gated_delta_rule_torch`` derives the same);
-2. **outputs**: every chunk's tokens are stepped by the recurrent kernel from the chunk's boundary state -- all
-   chunks in parallel, each a 64-token chain.
+Definition, per sequence and value head (key head ``hv // (HV // H)``), chunks of ``C`` tokens from the
+sequence's first token, ``S [K, V]`` the state entering the chunk, ``i`` the row in the chunk, ``G_i`` the
+sequential left-to-right fp32 sum of the chunk's log decays ``g`` up to row i, ``q`` pre-scaled (``q * scale``,
+where ``kernels.gdn_triton`` applies it; q/k arrive L2-normalised, g/beta formed, as ``kernels.gdn``)::
 
-The state at a chunk boundary therefore differs (by rounding) from the token-by-token state: an engine that follows
-this definition must replace its running state at each boundary by (1) computed from the chunk's inputs, which it
-keeps for that purpose (docs/benchmarks.md has the design). This module is the prefill half of that definition and
-what it costs; nothing serves it yet.
+    A[i,l]  = (beta_i exp(G_i - G_l)) (k_i . k_l)                        l < i
+    u_i     = beta_i v_i - sum_{l<i} A[i,l] u_l                           (forward substitution,
+    w_i     = (beta_i exp(G_i)) k_i - sum_{l<i} A[i,l] w_l                 independent of S)
+    delta_i = u_i - S^T w_i
+    o_i     = exp(G_i) S^T q_i + sum_{j<=i} (exp(G_i - G_j) (q_i . k_j)) delta_j
+    S_next  = exp(G_last) S + sum_j (exp(G_last - G_j) k_j) delta_j^T       (complete chunks; at a sequence's
+                                                                            end the same fold gives its state)
 
-``T`` comes from the nilpotent series ``(I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^32)`` (``A`` is strictly
-lower triangular, so ``A^64 = 0``): six matrix products of fixed shape, the same in every program. Every product
-runs in fp32 at full precision (no TF32) and every kernel is built without floating-point contraction, so a
-chunk's numbers depend on its own tokens and its entering state alone.
+Every sum runs in one fixed order (dot products over the K index 0..K-1, sums over rows l / j from 0 up), each
+term ``acc = acc + a * b`` from zeros, each product associated as written: the kernels
+(``kernels.gdn_chunk_grid_triton``, whose docstring says how) and ``decode_step_torch`` do exactly this.
+Mathematically it is the gated delta rule (the chunk form ``kernels.gdn.chunk_gated_delta_rule_torch`` derives,
+with the substitution instead of a matrix inverse); it differs from the token-by-token rule by rounding only.
 
-Layouts as ``kernels.gdn``: q/k ``[T, H, K]`` (already L2-normalised), v ``[T, HV, V]``, g/beta ``[T, HV]``,
-``cu_seqlens [N+1]``, states ``[., HV, K, V]`` fp32. ``boundary_states_torch`` is the plain-PyTorch form of (1).
+State per sequence and layer (fp32): the boundary state ``S [HV, K, V]`` and the open chunk's buffer ``[HV, C,
+R]``, one row per token of the open chunk, ``R = 2K + 2V + 4``: ``[k | w | u | delta | G | 3 pad]`` (the pad keeps
+rows 16-byte aligned). The open chunk holds ``pos % C`` rows, ``pos`` the tokens seen; rows beyond are stale and
+never read. Bytes at the 9B's heads (HV 32, K = V = 128, C 64): S 2 MiB + buffer 4.03 MiB = 6.03 MiB, against
+the recurrent kernel's 2 MiB (``state_bytes``).
+
+Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence),
+``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
+float64 matrix form), ``decode_step_torch`` / ``prefill_torch`` (the fixed order in plain PyTorch, fp32).
+Prefill scratch: ``[chunks, HV, C, R]`` fp32 rows plus an fp32 ``[T, HV, V]`` output term (at 32K tokens of the
+9B: 2.2 GB + 0.5 GB).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
+from typing import Callable
 
 import torch
-import triton
-import triton.language as tl
 
 CHUNK = 64
-BV_CHAIN = 32  # value columns per chain program: 4 programs per head at the 9B's V = 128
+BV = 32  # value columns per chain / output program: 4 programs per head at V = 128
+NUM_WARPS = 4
 
 
-def chunk_bounds(cu_seqlens: list[int], chunk: int = CHUNK) -> tuple[list[int], list[int]]:
-    """``(cu_chunks, seq_of_chunk)``: every sequence cut into chunks of ``chunk`` tokens anchored at its first
-    token (the last one shorter), as offsets into the packed tokens, and each chunk's sequence."""
-    cu, seq = [0], []
+def row_layout(K: int, V: int) -> dict[str, int]:
+    """Column offsets of a buffer row and its width ``R``."""
+    return {"K": 0, "W": K, "U": 2 * K, "D": 2 * K + V, "G": 2 * K + 2 * V, "R": 2 * K + 2 * V + 4}
+
+
+def state_bytes(HV: int, K: int, V: int, chunk: int = CHUNK) -> dict[str, int]:
+    """Bytes of one sequence's state per layer: ``S``, the open-chunk buffer, and their sum."""
+    s, b = HV * K * V * 4, HV * chunk * row_layout(K, V)["R"] * 4
+    return {"S": s, "buffer": b, "total": s + b}
+
+
+def new_state(N: int, HV: int, K: int, V: int, chunk: int = CHUNK, device: torch.device | str = "cpu",
+              initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(S [N, HV, K, V], buffer [N, HV, C, R])`` for sequences at position 0 (``S`` zeros or a copy of
+    ``initial_state``; the buffer's content is never read before it is written)."""
+    S = (torch.zeros(N, HV, K, V, dtype=torch.float32, device=device) if initial_state is None
+         else initial_state.to(device=device, dtype=torch.float32).clone().contiguous())
+    return S, torch.zeros(N, HV, chunk, row_layout(K, V)["R"], dtype=torch.float32, device=device)
+
+
+def chunk_plan(cu_seqlens: list[int], pos: list[int], chunk: int = CHUNK) -> dict[str, list[int]]:
+    """Every piece of a packed prefill that falls in one chunk of its sequence's grid: packed index of its first
+    token (``tok``), the rows it fills (``r0``..``r1``, ``r0 > 0`` continuing an open chunk), its sequence
+    (``seq``); ``first[n]``..``first[n+1]`` are sequence n's pieces, in order."""
+    plan: dict[str, list[int]] = {"tok": [], "r0": [], "r1": [], "seq": [], "first": [0]}
     for n, (s, e) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-        for b in range(s, e, chunk):
-            cu.append(min(b + chunk, e))
-            seq.append(n)
-    return cu, seq
+        t, r = s, pos[n] % chunk
+        while t < e:
+            m = min(chunk - r, e - t)
+            for key, val in (("tok", t), ("r0", r), ("r1", r + m), ("seq", n)):
+                plan[key].append(val)
+            t, r = t + m, 0
+        plan["first"].append(len(plan["tok"]))
+    return plan
 
 
-def _chunk_update(S_KV: torch.Tensor, k_CK: torch.Tensor, v_CV: torch.Tensor, g_C: torch.Tensor,
-                  beta_C: torch.Tensor) -> torch.Tensor:
-    """One chunk's WY update of the state ``S [K, V]`` (any float dtype, computed in it)."""
-    G = torch.cumsum(g_C, 0)
-    decay_CC = torch.exp(G[:, None] - G[None, :])
-    A = torch.tril(beta_C[:, None] * decay_CC * (k_CK @ k_CK.t()), diagonal=-1)
-    T = torch.linalg.inv(torch.eye(len(g_C), dtype=S_KV.dtype, device=S_KV.device) + A)
-    D = T @ (beta_C[:, None] * v_CV - ((beta_C * torch.exp(G))[:, None] * k_CK) @ S_KV)
-    return torch.exp(G[-1]) * S_KV + (torch.exp(G[-1] - G)[:, None] * k_CK).t() @ D
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           S: torch.Tensor, buf: torch.Tensor) -> None:
+    T, H, K = q.shape
+    HV, V = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % H:
+        raise ValueError(f"shapes: q/k [T, H, K], v [T, HV, V], g/beta [T, HV], HV % H == 0; got q {tuple(q.shape)}"
+                         f" k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    C = buf.shape[2]
+    for name, x in (("K", K), ("V", V), ("chunk", C)):
+        if x < 16 or x & (x - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (a tile side); got {x}")
+    R = row_layout(K, V)["R"]
+    if S.shape[1:] != (HV, K, V) or buf.shape[1:] != (HV, C, R) or S.shape[0] != buf.shape[0]:
+        raise ValueError(f"state must be S [N, {HV}, {K}, {V}] and buffer [N, {HV}, C, {R}]; got {tuple(S.shape)},"
+                         f" {tuple(buf.shape)}")
+    if S.dtype != torch.float32 or buf.dtype != torch.float32 or not (S.is_contiguous() and buf.is_contiguous()):
+        raise ValueError("state tensors must be contiguous fp32")
 
 
-def boundary_states_torch(
-    k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor, cu_seqlens: list[int],
-    initial_state: torch.Tensor | None = None, chunk: int = CHUNK, dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1) in plain PyTorch, in ``dtype``: ``(states [chunks, HV, K, V], final [N, HV, K, V])``, the state entering
-    each chunk of ``chunk_bounds`` and each sequence's state after its last token."""
-    _, H, K = k_THK.shape
-    HV, V = v_THV.shape[1:]
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+            beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor,
+            pos: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed prompts continued from each sequence's state (``S``/``buf`` rows n, ``pos[n]`` tokens seen,
+    default 0): returns ``(o [T, HV, V] in v's dtype, final [N, HV, K, V])``, the state after each sequence's
+    last token; ``S`` and ``buf`` are advanced in place (the caller advances ``pos`` by the lengths)."""
+    from titan_rl_ext.kernels.gdn_chunk_grid_triton import prefill_kernels
+
+    _check(q_THK, k_THK, v_THV, g_TH, beta_TH, S, buf)
     N = len(cu_seqlens) - 1
-    k = k_THK.to(dtype).repeat_interleave(HV // H, dim=1)
-    v, g, beta = v_THV.to(dtype), g_TH.to(dtype), beta_TH.to(dtype)
-    S = (torch.zeros(N, HV, K, V, dtype=dtype) if initial_state is None else initial_state.to(dtype)).clone()
-    cu, seq = chunk_bounds(cu_seqlens, chunk)
-    states = torch.empty(len(seq), HV, K, V, dtype=dtype)
-    for c, n in enumerate(seq):
-        lo, hi = cu[c], cu[c + 1]
-        states[c] = S[n]
-        for h in range(HV):
-            S[n, h] = _chunk_update(S[n, h], k[lo:hi, h], v[lo:hi, h], g[lo:hi, h], beta[lo:hi, h])
-    return states, S
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # interpreter (CPU tensors): numpy's BLAS rounds a row differently at different tile positions; a float64
-    # dot rounded once is position-independent. GPU: fp32 at full precision (no TF32)
-    if UPCAST:
-        return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _load_chunk_k(k_ptr, lo, hi, h, sk_t, sk_h, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    rows = (lo + offs_c).to(tl.int64)
-    mask = (rows < hi)[:, None] & (offs_k < K)[None, :]
-    return tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _chunk_t_kernel(
-    k_ptr, g_ptr, beta_ptr, cu_ptr, t_ptr, gc_ptr,
-    sk_t, sk_h, sg_t, sb_t,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Program ``(chunk, value head)``: the chunk's cumulative log decay ``G [C]`` (padding rows repeat the last
-    token's, so ``G[C-1]`` is the chunk's total) and ``T = (I + A)^-1 [C, C]``."""
-    c = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1)
-    h = hv // (HV // H)
-    lo = tl.load(cu_ptr + c).to(tl.int64)
-    hi = tl.load(cu_ptr + c + 1).to(tl.int64)
-    offs_c = tl.arange(0, C)
-    valid = lo + offs_c < hi
-    kk = _load_chunk_k(k_ptr, lo, hi, h, sk_t, sk_h, K, BK, C)
-    g = tl.load(g_ptr + (lo + offs_c) * sg_t + hv, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + (lo + offs_c) * sb_t + hv, mask=valid, other=0.0).to(tl.float32)
-    G = tl.cumsum(g, 0)
-    lower = offs_c[:, None] > offs_c[None, :]
-    diff = tl.where(lower, G[:, None] - G[None, :], 0.0)
-    N = tl.where(lower, -(beta[:, None] * tl.exp(diff)) * _dot(kk, tl.trans(kk), UPCAST), 0.0)
-    eye = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
-    T = eye + N
-    P = N
-    for _ in tl.static_range(LOG_C - 1):  # (I + N)(I + N^2)(I + N^4)...: every power below C
-        P = _dot(P, P, UPCAST)
-        T = _dot(T, eye + P, UPCAST)
-    base = (c * HV + hv) * C
-    tl.store(t_ptr + (base + offs_c[:, None]) * C + offs_c[None, :], T)
-    tl.store(gc_ptr + base + offs_c, G)
-
-
-@triton.jit
-def _chain_kernel(
-    k_ptr, v_ptr, beta_ptr, cu_ptr, first_ptr, t_ptr, gc_ptr, h0_ptr, states_ptr, final_ptr,
-    sk_t, sk_h, sv_t, sv_h, sb_t,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Program ``(sequence, value head, column block)``: walks the sequence's chunks in order, storing the state
-    entering each and stepping it by the chunk's WY update; stores the state after the last chunk."""
-    n = tl.program_id(0).to(tl.int64)
-    hv = tl.program_id(1)
-    i_v = tl.program_id(2)
-    h = hv // (HV // H)
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_s = (offs_k < K)[:, None] & (offs_v < V)[None, :]
-    p_s = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(h0_ptr + n * HV * K * V + p_s, mask=mask_s, other=0.0)
-    c_beg = tl.load(first_ptr + n).to(tl.int64)
-    c_end = tl.load(first_ptr + n + 1).to(tl.int64)
-    for c64 in range(c_beg, c_end):
-        tl.store(states_ptr + c64 * HV * K * V + p_s, S, mask=mask_s)
-        lo = tl.load(cu_ptr + c64).to(tl.int64)
-        hi = tl.load(cu_ptr + c64 + 1).to(tl.int64)
-        rows = lo + offs_c
-        valid = rows < hi
-        kk = _load_chunk_k(k_ptr, lo, hi, h, sk_t, sk_h, K, BK, C)
-        vv = tl.load(v_ptr + rows[:, None] * sv_t + hv * sv_h + offs_v[None, :],
-                     mask=valid[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + rows * sb_t + hv, mask=valid, other=0.0).to(tl.float32)
-        base = (c64 * HV + hv) * C
-        T = tl.load(t_ptr + (base + offs_c[:, None]) * C + offs_c[None, :])
-        G = tl.load(gc_ptr + base + offs_c)
-        g_last = tl.sum(tl.where(offs_c == C - 1, G, 0.0), axis=0)
-        X = _dot(kk * (beta * tl.exp(G))[:, None], S, UPCAST)
-        D = _dot(T, beta[:, None] * vv - X, UPCAST)
-        S = tl.exp(g_last) * S + _dot(tl.trans(kk * tl.exp(g_last - G)[:, None]), D, UPCAST)
-    tl.store(final_ptr + n * HV * K * V + p_s, S, mask=mask_s)
-
-
-def boundary_states(
-    k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor, cu_seqlens: list[int],
-    initial_state: torch.Tensor | None = None, chunk: int = CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(1) by the Triton kernels: ``(states [chunks, HV, K, V], final [N, HV, K, V], cu_chunks [chunks + 1])``,
-    all fp32 on the inputs' device; ``boundary_states_torch``'s numbers up to rounding."""
-    T_, H, K = k_THK.shape
     HV, V = v_THV.shape[1:]
-    N = len(cu_seqlens) - 1
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two >= 16 (a tensor-core dot's side); got {chunk}")
-    if HV % H:
-        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({H})")
+    C, R = buf.shape[2:]
+    pos = [0] * N if pos is None else list(pos)
+    if S.shape[0] != N or len(pos) != N:
+        raise ValueError(f"{N} sequences need {N} state rows and positions; got {S.shape[0]} and {len(pos)}")
     dev = v_THV.device
-    cu, seq = chunk_bounds(cu_seqlens, chunk)
-    per_seq = [0] * N
-    for n in seq:
-        per_seq[n] += 1
-    first = list(itertools.accumulate(per_seq, initial=0))  # each sequence's first chunk (chunks are in order)
-    n_chunks = len(seq)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
-    first_t = torch.tensor(first, dtype=torch.int32, device=dev)
-    k = k_THK if k_THK.stride(-1) == 1 else k_THK.contiguous()
-    v = v_THV if v_THV.stride(-1) == 1 else v_THV.contiguous()
-    h0 = (torch.zeros(N, HV, K, V, dtype=torch.float32, device=dev) if initial_state is None
-          else initial_state.float().contiguous())
-    states = torch.empty(n_chunks, HV, K, V, dtype=torch.float32, device=dev)
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-    if n_chunks == 0:
-        return states, final.copy_(h0), cu_t
-    t_buf = torch.empty(n_chunks, HV, chunk, chunk, dtype=torch.float32, device=dev)
-    gc = torch.empty(n_chunks, HV, chunk, dtype=torch.float32, device=dev)
-    upcast = dev.type != "cuda"
-    fusion = {} if upcast else {"enable_fp_fusion": False}
-    BK = triton.next_power_of_2(K)
-    _chunk_t_kernel[(n_chunks, HV)](
-        k, g_TH, beta_TH, cu_t, t_buf, gc, k.stride(0), k.stride(1), g_TH.stride(0), beta_TH.stride(0),
-        H=H, HV=HV, K=K, BK=BK, C=chunk, LOG_C=int(math.log2(chunk)), UPCAST=upcast, num_warps=4, **fusion,
-    )
-    BV = min(BV_CHAIN, triton.next_power_of_2(V))
-    _chain_kernel[(N, HV, triton.cdiv(V, BV))](
-        k, v, beta_TH, cu_t, first_t, t_buf, gc, h0, states, final,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta_TH.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=chunk, UPCAST=upcast, num_warps=4, **fusion,
-    )
-    return states, final, cu_t
-
-
-def gated_delta_rule_chunk_grid(
-    q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor,
-    cu_seqlens: list[int], scale: float, initial_state: torch.Tensor | None = None, chunk: int = CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o [T, HV, V], final [N, HV, K, V])`` by the chunk-grid definition: boundary states by the chain, then
-    every chunk's tokens by the recurrent kernel from its boundary state, all chunks at once."""
-    from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
-
-    states, final, cu_chunks = boundary_states(k_THK, v_THV, g_TH, beta_TH, cu_seqlens, initial_state, chunk)
-    o, _ = gated_delta_rule_recurrent(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_chunks, scale, initial_state=states)
+    plan = chunk_plan(cu_seqlens, pos, C)
+    o = torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev)
+    if not plan["tok"]:
+        return o, S.clone()
+    plan_t = {key: torch.tensor(val, dtype=torch.int32, device=dev) for key, val in plan.items()}
+    scratch = torch.empty(len(plan["tok"]), HV, C, R, dtype=torch.float32, device=dev)
+    cont = [c for c, r0 in enumerate(plan["r0"]) if r0 > 0]  # open chunks continued: their earlier rows
+    if cont:
+        scratch[cont] = buf[[plan["seq"][c] for c in cont]]
+    final = torch.empty_like(S)
+    qkv = [_unit_last(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
+    prefill_kernels(*qkv, scale, plan_t, scratch, S, final, o, row_layout(q_THK.shape[2], V), min(BV, V), NUM_WARPS)
+    lasts = [plan["first"][n + 1] - 1 for n in range(N) if plan["first"][n + 1] > plan["first"][n]]
+    open_ = [c for c in lasts if plan["r1"][c] < C]  # sequences ending mid-chunk keep its rows
+    if open_:
+        buf[[plan["seq"][c] for c in open_]] = scratch[open_]
     return o, final
+
+
+def decode(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor, beta_BH: torch.Tensor,
+           scale: float, S: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One token for each of B sequences (state rows b, ``pos [B]`` on the device, the tokens seen before this
+    one): returns ``o [B, HV, V]``; ``S``/``buf`` advanced in place (the caller advances ``pos`` by one)."""
+    from titan_rl_ext.kernels.gdn_chunk_grid_triton import decode_kernel
+
+    _check(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, S, buf)
+    B = q_BHK.shape[0]
+    if S.shape[0] != B or pos.shape != (B,):
+        raise ValueError(f"{B} tokens need {B} state rows and positions; got {S.shape[0]}, {tuple(pos.shape)}")
+    o = torch.empty(v_BHV.shape, dtype=v_BHV.dtype, device=v_BHV.device)
+    if B:
+        qkv = [_unit_last(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH)]
+        decode_kernel(*qkv, scale, pos, S, buf, o, row_layout(q_BHK.shape[2], v_BHV.shape[2]), NUM_WARPS)
+    return o
+
+
+def gated_delta_rule_chunk_grid(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+                                beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float,
+                                initial_state: torch.Tensor | None = None,
+                                chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole prompts from ``initial_state`` (zeros by default): ``(o [T, HV, V], final [N, HV, K, V])``."""
+    HV, V = v_THV.shape[1:]
+    S, buf = new_state(len(cu_seqlens) - 1, HV, k_THK.shape[2], V, chunk, v_THV.device, initial_state)
+    return prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, S, buf)
+
+
+# ------------------------------------------------------------------------------------------------
+# plain PyTorch
+
+
+def reference_float64(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+                      beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float,
+                      initial_state: torch.Tensor | None = None,
+                      chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition in float64 matrix form (triangular solves for the substitution): ``(o, final)`` of whole
+    prompts, float64."""
+    f64 = torch.float64
+    T, H, K = q_THK.shape
+    HV, V = v_THV.shape[1:]
+    N = len(cu_seqlens) - 1
+    q = q_THK.to(f64).repeat_interleave(HV // H, dim=1) * scale
+    k = k_THK.to(f64).repeat_interleave(HV // H, dim=1)
+    v, g, beta = v_THV.to(f64), g_TH.to(f64), beta_TH.to(f64)
+    S_all = (torch.zeros(N, HV, K, V, dtype=f64) if initial_state is None else initial_state.to(f64)).clone()
+    o = torch.zeros(T, HV, V, dtype=f64)
+    for n in range(N):
+        for lo in range(cu_seqlens[n], cu_seqlens[n + 1], chunk):
+            hi = min(lo + chunk, cu_seqlens[n + 1])
+            for h in range(HV):
+                S = S_all[n, h]
+                kc, qc, G, bc = k[lo:hi, h], q[lo:hi, h], torch.cumsum(g[lo:hi, h], 0), beta[lo:hi, h]
+                decay = torch.exp(G[:, None] - G[None, :])
+                eye = torch.eye(hi - lo, dtype=f64)
+                A = torch.tril(bc[:, None] * decay * (kc @ kc.T), diagonal=-1)
+                U = torch.linalg.solve_triangular(eye + A, bc[:, None] * v[lo:hi, h], upper=False)
+                W = torch.linalg.solve_triangular(eye + A, (bc * torch.exp(G))[:, None] * kc, upper=False)
+                D = U - W @ S
+                o[lo:hi, h] = torch.exp(G)[:, None] * (qc @ S) + torch.tril(decay * (qc @ kc.T)) @ D
+                S_all[n, h] = torch.exp(G[-1]) * S + (torch.exp(G[-1] - G)[:, None] * kc).T @ D
+    return o, S_all
+
+
+def decode_step_torch(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor,
+                      beta_BH: torch.Tensor, scale: float, S: torch.Tensor, buf: torch.Tensor, pos: list[int],
+                      exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp) -> torch.Tensor:
+    """The decode kernel's arithmetic in plain PyTorch fp32, the same order term by term (all value heads at once,
+    sequences one by one): ``o [B, HV, V]`` fp32, ``S``/``buf`` advanced in place. The kernels' bits where ``exp``
+    rounds as theirs does: torch's and the interpreter's (numpy's) fp32 exp differ in the last bit on ~40 % of
+    inputs, so the interpreter tests pass numpy's."""
+    B, H, K = q_BHK.shape
+    HV, V = v_BHV.shape[1:]
+    C = buf.shape[2]
+    L = row_layout(K, V)
+    oK, oW, oU, oD, oG = L["K"], L["W"], L["U"], L["D"], L["G"]
+    o = torch.empty(B, HV, V, dtype=torch.float32)
+    ar = torch.arange(C)
+    for b in range(B):
+        rows, i = buf[b], pos[b] % C  # rows [HV, C, R]
+        k = k_BHK[b].float().repeat_interleave(HV // H, dim=0)  # [HV, K]
+        q = q_BHK[b].float().repeat_interleave(HV // H, dim=0) * scale
+        v, g, beta = v_BHV[b].float(), g_BH[b].float(), beta_BH[b].float()  # [HV, V], [HV], [HV]
+        G_i = (rows[:, i - 1, oG] if i > 0 else torch.zeros(HV)) + g
+        rows[:, i, oK:oK + K] = k
+        rows[:, i, oG] = G_i
+        seen = (ar <= i)[None, :]
+        kk_C = torch.zeros(HV, C)
+        qk_C = torch.zeros(HV, C)
+        for kk in range(K):
+            col = torch.where(seen, rows[:, :, oK + kk], 0.0)
+            kk_C = kk_C + k[:, kk, None] * col
+            qk_C = qk_C + q[:, kk, None] * col
+        G_C = torch.where(seen, rows[:, :, oG], 0.0)
+        a_C = torch.where((ar < i)[None, :], (beta[:, None] * exp(G_i[:, None] - G_C)) * kk_C, 0.0)
+        m_C = torch.where(seen, exp(G_i[:, None] - G_C) * qk_C, 0.0)
+        acc_u, acc_w = torch.zeros(HV, V), torch.zeros(HV, K)
+        for l in range(i):
+            acc_u = acc_u + a_C[:, l, None] * rows[:, l, oU:oU + V]
+            acc_w = acc_w + a_C[:, l, None] * rows[:, l, oW:oW + K]
+        u_i = beta[:, None] * v - acc_u
+        w_i = (beta * exp(G_i))[:, None] * k - acc_w
+        rows[:, i, oU:oU + V] = u_i
+        rows[:, i, oW:oW + K] = w_i
+        x_V, qs_V = torch.zeros(HV, V), torch.zeros(HV, V)
+        for kk in range(K):
+            x_V = x_V + w_i[:, kk, None] * S[b, :, kk]
+            qs_V = qs_V + q[:, kk, None] * S[b, :, kk]
+        rows[:, i, oD:oD + V] = u_i - x_V
+        inner = torch.zeros(HV, V)
+        for j in range(i + 1):
+            inner = inner + m_C[:, j, None] * rows[:, j, oD:oD + V]
+        o[b] = exp(G_i)[:, None] * qs_V + inner
+        if i == C - 1:
+            acc = exp(G_i)[:, None, None] * S[b]
+            for j in range(C):
+                kd = exp(G_i - rows[:, j, oG])[:, None] * rows[:, j, oK:oK + K]
+                acc = acc + kd[:, :, None] * rows[:, j, None, oD:oD + V]
+            S[b] = acc
+    return o
+
+
+def prefill_torch(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+                  beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor,
+                  pos: list[int] | None = None,
+                  exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp) -> torch.Tensor:
+    """``prefill`` as decode steps of ``decode_step_torch`` (fp32 ``o``; ``S``/``buf`` advanced in place)."""
+    o = torch.empty(v_THV.shape, dtype=torch.float32)
+    for n in range(len(cu_seqlens) - 1):
+        p = 0 if pos is None else pos[n]
+        for t in range(cu_seqlens[n], cu_seqlens[n + 1]):
+            sl = slice(t, t + 1)
+            o[sl] = decode_step_torch(q_THK[sl], k_THK[sl], v_THV[sl], g_TH[sl], beta_TH[sl], scale, S[n:n + 1],
+                                      buf[n:n + 1], [p + t - cu_seqlens[n]], exp)
+    return o

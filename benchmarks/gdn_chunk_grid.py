@@ -1,23 +1,25 @@
-"""What the chunk-grid gated delta rule (``kernels.gdn_chunk_grid``) costs on one long prompt, against the shipped
-recurrent kernel (BI's prefill today) and FLA's chunk kernel (titan's non-BI prefill): issue 40 item 3's
-"measure what each costs before choosing".
+"""What the chunk-grid gated delta rule (``kernels.gdn_chunk_grid``: prefill, decode and continued prefill with the
+same bits) costs, against the shipped recurrent kernel (BI's prefill and decode today) and FLA's chunk kernel
+(titan's non-BI prefill): docs/benchmarks.md section 19, item 3.
 
-    python benchmarks/gdn_chunk_grid.py [--lengths 32768,65536] [--out gdn_chunk_grid.json]
-    TRITON_INTERPRET=1 python benchmarks/gdn_chunk_grid.py --smoke --device cpu   # toy sizes
+    python benchmarks/gdn_chunk_grid.py [--lengths 32768,65536] [--batches 1,32,256] [--out gdn_chunk_grid.json]
+    TRITON_INTERPRET=1 python benchmarks/gdn_chunk_grid.py --smoke --device cpu   # toy sizes, seconds
 
-Per prompt length, the 9B's GDN heads (16 key / 32 value heads of 128), bf16 inputs, fp32 state, one sequence:
+At the 9B's GDN heads (16 key / 32 value heads of 128), bf16 q/k/v/beta, fp32 g and state:
 
-- ``recurrent``   ``gdn_triton.gated_delta_rule_recurrent``: the token-by-token kernel (one chain of T steps);
-- ``chunk_grid``  the chunk-grid form, whole: ``T`` per chunk, the boundary-state chain, then every chunk's
-                  tokens by the recurrent kernel from its boundary state; and its parts (``t``, ``chain``,
-                  ``outputs``) timed alone;
-- ``fla_chunk``   FLA's ``chunk_gated_delta_rule`` where fla is importable.
+- prefill of one prompt per length: ``chunk_grid`` (``gdn_chunk_grid.prefill``: substitution per chunk, the
+  chain over chunks, outputs per chunk; one profiled call splits it by kernel), ``recurrent``
+  (``gdn_triton.gated_delta_rule_recurrent``, one chain of T token steps) and ``fla_chunk`` (FLA's
+  ``chunk_gated_delta_rule``, where importable);
+- a decode step of B sequences: ``gdn_chunk_grid.decode`` at open-chunk rows i = 0, 31 and 63 (``grid_first``,
+  ``grid_mid``, ``grid_last``: its cost grows with i; i = 63 also folds the chunk into S), against the recurrent kernel's step on a slotted state cache (as
+  the engine runs it).
 
-Checked before timing: the chunk grid's outputs and final state against the recurrent kernel's (max abs
-difference: both are fp32 forms of one recurrence; expected ~1e-5 on values of order 1), and a prompt cut at a
-chunk boundary and continued from the first part's state gives the whole prompt's bits (``torch.equal``).
-Each variant is timed in two interleaved rounds. Memory: the boundary states and the chunk buffers the form needs
-(reported, fp32).
+Checked before timing (the row fails the run otherwise): the prompt prefilled to its last token and that token
+decoded gives the whole prefill's last output row, state and open-chunk rows (``torch.equal``); a decode batch
+gives each sequence's bits alone (first two sequences). Reported, not gated: max |o| and |final state|
+differences against the recurrent kernel (two fp32 forms of one recurrence on bf16 inputs: expected ~1e-3 on the
+bf16 outputs, ~1e-5 on the state). State bytes per sequence and layer are printed and saved.
 """
 
 from __future__ import annotations
@@ -33,24 +35,24 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import Timer, add_timing_args, base_parser, environment, fmt_table, json_saver  # noqa: E402
-from bench_common import print_header, resolve_device  # noqa: E402
+from bench_common import print_header, profile_step, resolve_device  # noqa: E402
 
 from titan_rl_ext.kernels import gdn_chunk_grid as cg  # noqa: E402
 from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
+DECODE_ROWS = {"first": 0, "mid": 0.5, "last": 1.0}  # open-chunk rows timed: 0, C/2 - 1, C - 1 (63: a fold)
 
 
-def _inputs(T: int, dev: torch.device, heads: tuple[int, int, int, int]) -> dict[str, Any]:
+def _inputs(T: int, dev: torch.device, heads: tuple[int, int, int, int], seed: int) -> dict[str, torch.Tensor]:
     h, hv, k, v = heads
-    gen = torch.Generator(device=dev).manual_seed(T)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     return dict(
         q=F.normalize(torch.randn(T, h, k, device=dev, generator=gen), dim=-1).bfloat16(),
         k=F.normalize(torch.randn(T, h, k, device=dev, generator=gen), dim=-1).bfloat16(),
         v=torch.randn(T, hv, v, device=dev, generator=gen).bfloat16(),
         g=-torch.rand(T, hv, device=dev, generator=gen) * 0.1,
         beta=torch.rand(T, hv, device=dev, generator=gen).bfloat16(),
-        s0=torch.randn(1, hv, k, v, device=dev, generator=gen) * 0.1,
     )
 
 
@@ -62,80 +64,148 @@ def _fla() -> Callable[..., Any] | None:
     return chunk_gated_delta_rule
 
 
+def _time(timer: Timer, variants: dict[str, Callable[[], Any]], args: Any) -> dict[str, float]:
+    """Mean of two interleaved rounds' medians per variant (ms), and the rounds' spread (%)."""
+    med: dict[str, list[float]] = {n: [] for n in variants}
+    for rnd in range(2):
+        for name, fn in variants.items():
+            med[name].append(statistics.median(timer.run(fn, warmup=args.warmup if rnd == 0 else 0,
+                                                         reps=args.reps, max_s=args.max_s)))
+    row: dict[str, float] = {}
+    for name, m in med.items():
+        row[f"{name}_ms"] = statistics.mean(m)
+        row[f"{name}_spread_pct"] = 100 * abs(m[0] - m[-1]) / max(statistics.mean(m), 1e-12)
+    return row
+
+
+def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], chunk: int, timer: Timer,
+                 args: Any, fla: Callable[..., Any] | None) -> dict[str, Any]:
+    x = _inputs(T, dev, heads, seed=T)
+    qkvgb = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    s0 = torch.randn(1, *heads[1:2], heads[2], heads[3], device=dev, generator=torch.Generator(device=dev)
+                     .manual_seed(1)) * 0.1
+    scale = heads[2] ** -0.5
+    cu_t = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    whole = cg.new_state(1, *heads[1:], chunk, dev, s0)
+    o_w, fin_w = cg.prefill(*qkvgb, [0, T], scale, *whole)
+    # the bits: prefill to the last token, decode it
+    part = cg.new_state(1, *heads[1:], chunk, dev, s0)
+    cg.prefill(*(t[:T - 1] for t in qkvgb), [0, T - 1], scale, *part)
+    o_last = cg.decode(*(t[T - 1:] for t in qkvgb), scale, *part, torch.tensor([T - 1], device=dev))
+    n_open = T % chunk
+    bits = (torch.equal(o_last[0], o_w[T - 1]) and torch.equal(part[0], whole[0])
+            and torch.equal(part[1][:, :, :n_open, :-3], whole[1][:, :, :n_open, :-3]))
+    o_r, fin_r = gated_delta_rule_recurrent(*qkvgb, cu_t, scale, s0)
+    row: dict[str, Any] = {
+        "case": f"prefill 1x{T}", "T": T, "decode_continues_prefill_bits": bool(bits),
+        "max_abs_o_vs_recurrent": (o_w.float() - o_r.float()).abs().max().item(),
+        "max_abs_state_vs_recurrent": (fin_w - fin_r).abs().max().item(),
+        "scratch_mib": (len(cg.chunk_plan([0, T], [0], chunk)["tok"]) * heads[1] * chunk
+                        * cg.row_layout(*heads[2:])["R"] + T * heads[1] * heads[3]) * 4 / 2**20,
+    }
+    del o_w, fin_w, o_r, fin_r, part
+    state = cg.new_state(1, *heads[1:], chunk, dev, s0)
+    variants: dict[str, Callable[[], Any]] = {
+        "recurrent": lambda: gated_delta_rule_recurrent(*qkvgb, cu_t, scale, s0),
+        # the state advances in place at every call: the same work each time
+        "chunk_grid": lambda: cg.prefill(*qkvgb, [0, T], scale, *state),
+    }
+    if fla is not None:
+        variants["fla_chunk"] = lambda: fla(*(t[None] for t in qkvgb), scale=scale, initial_state=s0,
+                                            output_final_state=True, cu_seqlens=cu_t.long())
+    row.update(_time(timer, variants, args))
+    row["recurrent_over_grid"] = row["recurrent_ms"] / row["chunk_grid_ms"]
+    if dev.type == "cuda":
+        try:
+            prof = profile_step(variants["chunk_grid"], dev, top=8)
+            row["grid_kernels_ms"] = {r["name"]: r["total_ms"] for r in prof["top"]}
+        except Exception as e:  # the profile is a breakdown, not a result: keep the timings
+            row["grid_kernels_ms"] = f"profile failed: {type(e).__name__}: {e}"
+    return row
+
+
+def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chunk: int, timer: Timer,
+                args: Any) -> dict[str, Any]:
+    x = _inputs(B, dev, heads, seed=B + 7)
+    qkvgb = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    scale = heads[2] ** -0.5
+    gen = torch.Generator(device=dev).manual_seed(B)
+    S, buf = cg.new_state(B, *heads[1:], chunk, dev)
+    S.copy_(torch.randn(S.shape, device=dev, generator=gen) * 0.1)
+    buf.copy_(torch.randn(buf.shape, device=dev, generator=gen) * 0.1)
+    buf[..., cg.row_layout(*heads[2:])["G"]] = -0.05 * torch.arange(1, chunk + 1, device=dev)  # a decaying G
+    row: dict[str, Any] = {"case": f"decode B={B}", "B": B}
+    # the bits: a batch == each sequence alone (the first two)
+    pos = torch.full((B,), chunk - 2, dtype=torch.int64, device=dev)
+    batch = (S.clone(), buf.clone())
+    o_b = cg.decode(*qkvgb, scale, *batch, pos)
+    ok = True
+    for n in range(min(B, 2)):
+        one = (S[n:n + 1].clone(), buf[n:n + 1].clone())
+        o_1 = cg.decode(*(t[n:n + 1] for t in qkvgb), scale, *one, pos[n:n + 1])
+        ok = ok and torch.equal(o_b[n:n + 1], o_1) and torch.equal(batch[0][n:n + 1], one[0])
+    row["batch_equals_alone_bits"] = bool(ok)
+    cache = S.clone()
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    cu_t = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    variants: dict[str, Callable[[], Any]] = {
+        "recurrent": lambda: gated_delta_rule_recurrent(*qkvgb, cu_t, scale, cache, state_slots=slots),
+    }
+    for name, frac in DECODE_ROWS.items():
+        i = max(0, int(frac * chunk) - 1) if frac else 0
+        row[f"row_{name}"] = i
+        p_i = torch.full((B,), i, dtype=torch.int64, device=dev)
+        variants[f"grid_{name}"] = lambda p_i=p_i: cg.decode(*qkvgb, scale, S, buf, p_i)
+    row.update(_time(timer, variants, args))
+    return row
+
+
 def main() -> int:
     ap = base_parser(__doc__, "toy heads and lengths (CPU, interpreter)")
     ap.add_argument("--lengths", default="32768,65536")
+    ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--out", default="")
     add_timing_args(ap, warmup=1, reps=5, max_s=10.0)
     args = ap.parse_args()
+    if args.smoke:  # checks and one timed call each: seconds under the interpreter
+        args.warmup, args.reps, args.max_s = 0, 1, 1.0
     t0 = time.perf_counter()
     dev = resolve_device(ap, args)
-    heads = (2, 4, 16, 32) if args.smoke else (H, HV, K, V)
-    lengths = [150] if args.smoke else [int(x) for x in args.lengths.split(",") if x]
+    heads = (1, 2, 16, 16) if args.smoke else (H, HV, K, V)
     chunk = 16 if args.smoke else cg.CHUNK
+    lengths = [21] if args.smoke else [int(x) for x in args.lengths.split(",") if x]
+    batches = [2] if args.smoke else [int(x) for x in args.batches.split(",") if x]
     env = environment(dev)
     print_header(f"gdn_chunk_grid: {heads[0]}/{heads[1]} heads x {heads[2]}x{heads[3]}, chunk {chunk}", env)
-    results: dict[str, Any] = {"env": env, "args": vars(args), "chunk": chunk, "rows": []}
+    nine_b = cg.state_bytes(HV, K, V, cg.CHUNK)
+    print(f"state per sequence and layer at the 9B's heads, chunk {cg.CHUNK}: S {nine_b['S']:,} B + buffer "
+          f"{nine_b['buffer']:,} B = {nine_b['total'] / 2**20:.2f} MiB (recurrent: {nine_b['S'] / 2**20:.2f} MiB)")
+    results: dict[str, Any] = {"env": env, "args": vars(args), "chunk": chunk, "heads": heads,
+                               "state_bytes_9b": nine_b, "state_bytes_run": cg.state_bytes(*heads[1:], chunk),
+                               "rows": []}
     save = json_saver(args.out, results, t0)
     timer = Timer(dev)
     fla = _fla() if dev.type == "cuda" else None
+    rows: list[dict[str, Any]] = []
     for T in lengths:
-        x = _inputs(T, dev, heads)
-        cu = [0, T]
-        cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
-        scale = heads[2] ** -0.5
-        qkvgb = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-
-        def recurrent() -> Any:
-            return gated_delta_rule_recurrent(*qkvgb, cu_t, scale, x["s0"])
-
-        def grid() -> Any:
-            return cg.gated_delta_rule_chunk_grid(*qkvgb, cu, scale, x["s0"], chunk=chunk)
-
-        states, _, cu_chunks = cg.boundary_states(x["k"], x["v"], x["g"], x["beta"], cu, x["s0"], chunk=chunk)
-
-        def chain() -> Any:
-            return cg.boundary_states(x["k"], x["v"], x["g"], x["beta"], cu, x["s0"], chunk=chunk)
-
-        def outputs() -> Any:
-            return gated_delta_rule_recurrent(*qkvgb, cu_chunks, scale, states)
-
-        o_r, f_r = recurrent()
-        o_c, f_c = grid()
-        cut = (T // 2) // chunk * chunk
-        o_a, f_a = cg.gated_delta_rule_chunk_grid(*(t[:cut] for t in qkvgb), [0, cut], scale, x["s0"], chunk=chunk)
-        o_b, f_b = cg.gated_delta_rule_chunk_grid(*(t[cut:] for t in qkvgb), [0, T - cut], scale, f_a, chunk=chunk)
-        row: dict[str, Any] = {
-            "case": f"prefill 1x{T}", "T": T,
-            "max_abs_o_vs_recurrent": (o_c.float() - o_r.float()).abs().max().item(),
-            "max_abs_state_vs_recurrent": (f_c - f_r).abs().max().item(),
-            "cut_at_chunk_equals_whole": bool(torch.equal(torch.cat([o_a, o_b]), o_c) and torch.equal(f_b, f_c)),
-            "boundary_state_mib": states.numel() * 4 / 2**20,
-        }
-        variants: dict[str, Callable[[], Any]] = {"recurrent": recurrent, "chunk_grid": grid, "chain": chain,
-                                                  "outputs": outputs}
-        if fla is not None:
-            def fla_chunk() -> Any:
-                return fla(x["q"][None], x["k"][None], x["v"][None], x["g"][None], x["beta"][None], scale=scale,
-                           initial_state=x["s0"], output_final_state=True, cu_seqlens=cu_t.long())
-            variants["fla_chunk"] = fla_chunk
-        med: dict[str, list[float]] = {n: [] for n in variants}
-        for rnd in range(2):
-            for name, fn in variants.items():
-                med[name].append(statistics.median(timer.run(fn, warmup=args.warmup if rnd == 0 else 0,
-                                                             reps=args.reps, max_s=args.max_s)))
-        for name, m in med.items():
-            row[f"{name}_ms"] = statistics.mean(m)
-            row[f"{name}_spread_pct"] = 100 * abs(m[0] - m[-1]) / statistics.mean(m)
-        row["recurrent_over_grid"] = row["recurrent_ms"] / row["chunk_grid_ms"]
-        results["rows"].append(row)
-        save()
+        rows.append(_prefill_row(T, dev, heads, chunk, timer, args, fla))
+    for B in batches:
+        rows.append(_decode_row(B, dev, heads, chunk, timer, args))
+    for row in rows:
         print("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-    cols = [("case", "case", ""), ("recurrent_ms", "recurrent ms", ".3f"), ("chunk_grid_ms", "chunk grid ms", ".3f"),
-            ("chain_ms", "chain ms", ".3f"), ("outputs_ms", "outputs ms", ".3f"), ("fla_chunk_ms", "FLA chunk ms", ".3f"),
-            ("max_abs_o_vs_recurrent", "max|o diff|", ".1e"), ("cut_at_chunk_equals_whole", "cut == whole", "")]
-    print("\nSUMMARY\n" + fmt_table(results["rows"], cols))
-    ok = all(r["cut_at_chunk_equals_whole"] for r in results["rows"])
+    results["rows"] = rows
+    save()
+    pre = [r for r in rows if "T" in r]
+    dec = [r for r in rows if "B" in r]
+    print("\nPREFILL\n" + fmt_table(pre, [
+        ("case", "case", ""), ("recurrent_ms", "recurrent ms", ".3f"), ("chunk_grid_ms", "chunk grid ms", ".3f"),
+        ("fla_chunk_ms", "FLA chunk ms", ".3f"), ("recurrent_over_grid", "rec/grid", ".2f"),
+        ("max_abs_o_vs_recurrent", "max|o diff|", ".1e"), ("decode_continues_prefill_bits", "bits", "")]))
+    print("\nDECODE\n" + fmt_table(dec, [("case", "case", ""), ("recurrent_ms", "recurrent ms", ".4f")]
+                                   + [(f"grid_{n}_ms", f"grid row {n} ms", ".4f") for n in DECODE_ROWS]
+                                   + [("batch_equals_alone_bits", "bits", "")]))
+    ok = all(r["decode_continues_prefill_bits"] for r in pre) and all(r["batch_equals_alone_bits"] for r in dec)
+    print("bits:", "ok" if ok else "MISMATCH")
     return 0 if ok else 1
 
 

@@ -12,8 +12,8 @@ At the 9B's GDN heads (16 key / 32 value heads of 128), bf16 q/k/v/beta, fp32 g 
   (``gdn_triton.gated_delta_rule_recurrent``, one chain of T token steps) and ``fla_chunk`` (FLA's
   ``chunk_gated_delta_rule``, where importable);
 - a decode step of B sequences: ``gdn_chunk_grid.decode`` at open-chunk rows i = 0, 31 and 63 (``grid_first``,
-  ``grid_mid``, ``grid_last``: its cost grows with i; i = 63 also folds the chunk into S), against the recurrent kernel's step on a slotted state cache (as
-  the engine runs it).
+  ``grid_mid``, ``grid_last``: its cost grows with i; i = 63 also folds the chunk into S), against the recurrent
+  kernel's step on a slotted state cache (as the engine runs it).
 
 Checked before timing (the row fails the run otherwise): the prompt prefilled to its last token and that token
 decoded gives the whole prefill's last output row, state and open-chunk rows (``torch.equal``); a decode batch

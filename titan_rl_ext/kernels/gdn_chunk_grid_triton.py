@@ -47,8 +47,8 @@ def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, R: tl.constexpr, OFF_K: t
 def _subst_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, scr_ptr,
     sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WU: tl.constexpr, C: tl.constexpr,
-    R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_G: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WU: tl.constexpr, XB: tl.constexpr,
+    C: tl.constexpr, R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_G: tl.constexpr,
 ):
     """Program (chunk, value head): rows ``[r0, r1)`` of the chunk's ``k, G`` and ``[w | u]`` (adjacent in a row,
     solved together: one substitution, ``WU >= K + V`` columns) into its scratch rows. Rows below ``r0`` (an open
@@ -61,7 +61,6 @@ def _subst_kernel(
     r1 = tl.load(r1_ptr + c)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, K)
-    offs_x = tl.arange(0, WU)  # [w | u] columns
     new = (offs_c >= r0) & (offs_c < r1)
     tok = t0 + (offs_c - r0).to(tl.int64)
     rows = scr_ptr + (c * HV + hv) * C * R
@@ -82,24 +81,31 @@ def _subst_kernel(
         kk_CC = kk_CC + col[:, None] * col[None, :]
     A_CC = tl.where(offs_c[:, None] > offs_c[None, :],
                     (beta_C[:, None] * tl.exp(G_C[:, None] - G_C[None, :])) * kk_CC, 0.0)
-    # right-hand sides [beta exp(G) k | beta v] of the new rows; the continued rows' solved [w | u]
-    is_w = offs_x[None, :] < K
-    is_u = (offs_x[None, :] >= K) & (offs_x[None, :] < K + V)
-    k_ext = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_x[None, :], mask=new[:, None] & is_w, other=0.0)
-    v_ext = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + (offs_x[None, :] - K), mask=new[:, None] & is_u,
-                    other=0.0)
-    rhs = tl.where(is_w, (beta_C * tl.exp(G_C))[:, None] * k_ext.to(tl.float32),
-                   beta_C[:, None] * v_ext.to(tl.float32))
-    old = tl.load(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :],
-                  mask=(offs_c[:, None] < r0) & (is_w | is_u), other=0.0)
-    # forward substitution column by column: row i's sum takes l = 0, 1, ..., i-1 in order (the decode kernel's
-    # order); a row's sum is left untouched once l reaches it, so rhs - acc is every row's solution at the end
-    acc = tl.zeros([C, WU], dtype=tl.float32)
-    for l in range(0, r1):
-        a_C = tl.reduce(tl.where(offs_c[None, :] == l, A_CC, 0.0), 1, _ADD)  # column l of A (one-hot: exact)
-        x_l = tl.reduce(tl.where(offs_c[:, None] == l, tl.where(offs_c[:, None] < r0, old, rhs - acc), 0.0), 0, _ADD)
-        acc = tl.where(offs_c[:, None] > l, acc + a_C[:, None] * x_l[None, :], acc)
-    tl.store(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :], rhs - acc, mask=new[:, None] & (is_w | is_u))
+    # the substitution in blocks of XB of the [w | u] columns (independent columns: fewer live registers)
+    for xb in tl.static_range(0, WU, XB):
+        offs_x = xb + tl.arange(0, XB)
+        # right-hand sides [beta exp(G) k | beta v] of the new rows; the continued rows' solved [w | u]
+        is_w = offs_x[None, :] < K
+        is_u = (offs_x[None, :] >= K) & (offs_x[None, :] < K + V)
+        k_ext = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_x[None, :], mask=new[:, None] & is_w,
+                        other=0.0)
+        v_ext = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + (offs_x[None, :] - K), mask=new[:, None] & is_u,
+                        other=0.0)
+        rhs = tl.where(is_w, (beta_C * tl.exp(G_C))[:, None] * k_ext.to(tl.float32),
+                       beta_C[:, None] * v_ext.to(tl.float32))
+        done = offs_c[:, None] < r0
+        rhs = tl.where(done, tl.load(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :],
+                                     mask=done & (is_w | is_u), other=0.0), rhs)
+        # forward substitution column by column: row i's sum takes l = 0, 1, ..., i-1 in order (the decode
+        # kernel's order); a row's sum is left untouched once l reaches it, so rhs - acc is every new row's
+        # solution at the end
+        acc = tl.zeros([C, XB], dtype=tl.float32)
+        for l in range(0, r1):
+            a_C = tl.reduce(tl.where(offs_c[None, :] == l, A_CC, 0.0), 1, _ADD)  # column l of A (one-hot: exact)
+            x_l = tl.reduce(tl.where(offs_c[:, None] == l, tl.where(done, rhs, rhs - acc), 0.0), 0, _ADD)
+            acc = tl.where(offs_c[:, None] > l, acc + a_C[:, None] * x_l[None, :], acc)
+        tl.store(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :], rhs - acc,
+                 mask=new[:, None] & (is_w | is_u))
 
 
 @triton.jit
@@ -281,7 +287,7 @@ def _launch_opts(dev: torch.device, num_warps: int) -> dict[str, object]:
 def prefill_kernels(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     plan: dict[str, torch.Tensor], scratch: torch.Tensor, S: torch.Tensor, final: torch.Tensor, o: torch.Tensor,
-    layout: dict[str, int], BV: int, num_warps: int,
+    layout: dict[str, int], BV: int, num_warps: dict[str, int],
 ) -> None:
     """The three prefill launches (``gdn_chunk_grid.prefill`` prepares ``plan`` and ``scratch``)."""
     T, H, K = q.shape
@@ -289,30 +295,32 @@ def prefill_kernels(
     n_chunks = plan["tok"].numel()
     N = plan["first"].numel() - 1
     C, R = scratch.shape[2], scratch.shape[3]
-    opts = _launch_opts(v.device, num_warps)
     offs = {f"OFF_{n}": layout[n] for n in ("K", "W", "U", "D", "G")}
     o32 = torch.empty(T, HV, V, dtype=torch.float32, device=v.device)
     _subst_kernel[(n_chunks, HV)](
         k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], scratch,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        H=H, HV=HV, K=K, V=V, WU=triton.next_power_of_2(K + V), C=C, R=R, OFF_K=offs["OFF_K"],
-        OFF_W=offs["OFF_W"], OFF_G=offs["OFF_G"], **opts,
+        H=H, HV=HV, K=K, V=V, WU=triton.next_power_of_2(K + V), XB=min(triton.next_power_of_2(K + V), 64),
+        C=C, R=R, OFF_K=offs["OFF_K"], OFF_W=offs["OFF_W"], OFF_G=offs["OFF_G"],
+        **_launch_opts(v.device, num_warps["subst"]),
     )
     _chain_kernel[(N, HV, V // BV)](
         q, plan["tok"], plan["r0"], plan["r1"], plan["first"], scratch, S, final, o32,
-        scale, q.stride(0), q.stride(1), H=H, HV=HV, K=K, V=V, BV=BV, C=C, R=R, **offs, **opts,
+        scale, q.stride(0), q.stride(1), H=H, HV=HV, K=K, V=V, BV=BV, C=C, R=R, **offs,
+        **_launch_opts(v.device, num_warps["chain"]),
     )
     _output_kernel[(n_chunks, HV, V // BV)](
         q, plan["tok"], plan["r0"], plan["r1"], scratch, o32, o,
         scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         H=H, HV=HV, K=K, V=V, BV=BV, C=C, R=R, OFF_K=offs["OFF_K"], OFF_D=offs["OFF_D"], OFF_G=offs["OFF_G"],
-        **opts,
+        **_launch_opts(v.device, num_warps["output"]),
     )
 
 
 def decode_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    pos: torch.Tensor, S: torch.Tensor, buf: torch.Tensor, o: torch.Tensor, layout: dict[str, int], num_warps: int,
+    pos: torch.Tensor, S: torch.Tensor, buf: torch.Tensor, o: torch.Tensor, layout: dict[str, int],
+    num_warps: dict[str, int],
 ) -> None:
     B, H, K = q.shape
     HV, V = v.shape[1:]
@@ -323,5 +331,5 @@ def decode_kernel(
         scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), o.stride(0), o.stride(1),
         H=H, HV=HV, K=K, V=V, WU=triton.next_power_of_2(K + V), C=C, R=R, **offs,
-        **_launch_opts(v.device, num_warps),
+        **_launch_opts(v.device, num_warps["decode"]),
     )

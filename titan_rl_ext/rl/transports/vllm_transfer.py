@@ -61,7 +61,12 @@ INIT, START, UPDATE, FINISH = ("/init_weight_transfer_engine", "/start_weight_up
 
 
 class TransferFailed(RuntimeError):
-    """The collective part of a push failed: nothing was committed anywhere."""
+    """The collective part of a push failed: nothing was committed anywhere. ``refused``: the generators whose
+    own call failed (url -> their answer), when the failure is theirs."""
+
+    def __init__(self, message: str, refused: dict[str, PushResult] | None = None) -> None:
+        super().__init__(message)
+        self.refused = refused or {}
 
 
 @dataclass
@@ -213,7 +218,7 @@ class VllmTransferTransport:
                 if boots[url] is None:
                     results[url] = {"url": url, "ok": False, "status": None,
                                     "error": "unreachable: no boot id from its version route"}
-            live = [u for u in urls if boots[u] is not None]
+            live = [u for u in urls if boots[u] is not None and u not in results]
             if not live:
                 return
             t0 = time.perf_counter()
@@ -225,10 +230,15 @@ class VllmTransferTransport:
                 self._close()
                 still = self._boots(live)
                 self._end_sessions([u for u in live if still[u] == boots[u]])  # a member may have all of it staged
-                lost = [u for u in live if still[u] != boots[u]]
+                # the ones that died (a new boot, or none) or refused their call: the others take the version
+                # without them, as they would have over HTTP
+                lost = {u for u in live if still[u] != boots[u]} | set(e.refused)
                 if attempt == 0 and lost and len(lost) < len(live):
-                    logger.warning("%s push v%d: %d generator(s) lost mid-transfer (%s); sending again without them",
-                                   NAME, version, len(lost), ", ".join(lost))
+                    logger.warning("%s push v%d: %d generator(s) lost or refusing mid-transfer (%s); sending again "
+                                   "without them", NAME, version, len(lost), ", ".join(sorted(lost)))
+                    for u in lost:
+                        results[u] = e.refused.get(u) or {"url": u, "ok": False, "status": None,
+                                                          "error": f"lost mid-transfer: {e}"[:2000]}
                     continue
                 for u in live:
                     results[u] = {"url": u, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
@@ -299,7 +309,7 @@ class VllmTransferTransport:
     def _check(answers: dict[str, PushResult], path: str) -> None:
         if bad := {u: r for u, r in answers.items() if not r["ok"]}:
             raise TransferFailed("; ".join(f"{u} {path}: HTTP {r['status']} {str(r['error'])[:300]}"
-                                           for u, r in bad.items()))
+                                           for u, r in bad.items()), bad)
 
     def _start(self, live: list[str]) -> None:
         """``start_weight_update`` on every member. vLLM's worker refuses it while an earlier session is open

@@ -15,7 +15,8 @@ group, the trainer rank 0); ``titan_gloo_relay`` sends it to one of them (the ho
 to the other over a host-local group. After each push both serve the trainer's tensors bit for bit (the
 checksums route against ``tensor_checksum``) and a greedy completion's logprobs from each equal the trainer's
 recompute under BI (``differing == 0``); a push that dies midway (the trainer raises while sending its third
-bucket) commits nowhere; a generator killed mid-broadcast is reported out of that version while the other one
+bucket) commits nowhere; a generator that refuses a bucket is left out of that version (the others take it) and
+keeps its old weights whole; a generator killed mid-broadcast is reported out of that version while the other one
 takes it (the group rebuilt without it, the version sent again), and once restarted on its port joins the next
 version's group and serves it."""
 
@@ -426,10 +427,40 @@ def test_push_killed_midway_commits_nowhere(fleet: Fleet, monkeypatch: pytest.Mo
         pusher.transport.close()
 
 
+def test_generator_refusing_mid_transfer_is_left_out(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Server 1 answers its second update_weights with an error: the others take v6 without it (as over HTTP),
+    it keeps v5 whole, and its open update session is closed, so the next push reaches it again."""
+    from titan_rl_ext.rl.weight_sync import WeightPushError
+
+    f = fleet
+    pusher = _pusher(f)
+    real, seen = pusher.dev_post, []
+
+    def refusing(url: str, path: str, body: Any = None, boot: str | None = None) -> Any:
+        answer = real(url, path, body, boot)
+        if url == f.urls[1] and path == "/update_weights":
+            seen.append(path)
+            if len(seen) == 2:  # received, but the server says no (a worker error, say)
+                return {"url": url, "ok": False, "status": 500, "error": "injected refusal"}
+        return answer
+
+    try:
+        monkeypatch.setattr(pusher, "dev_post", refusing)
+        with pytest.raises(WeightPushError) as e:
+            pusher.push(_weights(f, 6), 6)
+        bad = {r["url"]: r for r in e.value.results if not r["ok"]}
+        assert list(bad) == [f.urls[1]] and bad[f.urls[1]]["error"] == "injected refusal", e.value.results
+        _assert_serves(f, pusher, f.urls[0], 6)
+        _assert_serves(f, pusher, f.urls[1], 5)  # no half version
+        monkeypatch.setattr(pusher, "dev_post", real)
+    finally:
+        pusher.transport.close()
+
+
 def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Server 1 dies while version 7's second bucket goes out: the collective breaks for both, the trainer
-    rebuilds the group with server 0 alone and sends v7 again (server 1 reported out); server 1, restarted on
-    its port meanwhile, joins v8's group."""
+    """Server 1 dies while version 8's second bucket goes out: the collective breaks for both, the trainer
+    rebuilds the group with server 0 alone and sends v8 again (server 1 reported out); server 1, restarted on
+    its port meanwhile, joins v9's group."""
     from titan_rl_ext.rl.generator_server import GeneratorServer
     from titan_rl_ext.rl.weight_sync import WeightPushError
     from vllm_titan_plugin.swap import relay
@@ -444,25 +475,25 @@ def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch
             old = f.servers[1]
             _kill(old)
             f.servers[1] = GeneratorServer(f.model_dir, f.log_dir / "server1-restart.log", SERVER_ARGS, _env(),
-                                           port=old.port)  # boots while v7 goes out again
+                                           port=old.port)  # boots while v8 goes out again
         return real_pack(tensors)
 
     try:
-        pusher.push(_weights(f, 6), 6)
+        pusher.push(_weights(f, 7), 7)
         monkeypatch.setattr(relay, "pack", kill_at_second_bucket)
         with pytest.raises(WeightPushError) as e:
-            pusher.push(_weights(f, 7), 7)
+            pusher.push(_weights(f, 8), 8)
         monkeypatch.setattr(relay, "pack", real_pack)
         ok = {r["url"]: r["ok"] for r in e.value.results}
         assert ok == {f.urls[0]: True, f.urls[1]: False}, e.value.results
         assert pusher.transport._builds == 2  # both, then server 0 alone for the second try
-        _assert_serves(f, pusher, f.urls[0], 7)
+        _assert_serves(f, pusher, f.urls[0], 8)
         f.servers[1].wait_ready()
         assert _served(f.urls[1]) == 0  # a fresh process: the checkpoint
-        answers = pusher.push(_weights(f, 8), 8)
+        answers = pusher.push(_weights(f, 9), 9)
         assert {a["boot_id"] for a in answers} == {pusher.boot_id(u) for u in f.urls}
         for url in f.urls:
-            _assert_serves(f, pusher, url, 8)
+            _assert_serves(f, pusher, url, 9)
         assert pusher.transport._builds == 3  # both again
     finally:
         pusher.transport.close()
@@ -473,13 +504,13 @@ def test_relay_sends_one_copy_per_host(fleet: Fleet) -> None:
     pusher = _pusher(f, "titan_gloo_relay")
     try:
         t0 = time.perf_counter()
-        answers = pusher.push(_weights(f, 9), 9)
+        answers = pusher.push(_weights(f, 10), 10)
         assert all(a["transport"] == "titan_gloo_relay" for a in answers)
         topo = pusher.transport._topology  # both servers on 127.0.0.1: one lead in the trainer's group
         assert topo.leads == [f.urls[0]] and topo.followers == {f.urls[0]: [f.urls[1]]}
         for url in f.urls:
-            _assert_serves(f, pusher, url, 9)
-            assert _differing(f, url, 9) == 0  # the follower's weights came through the lead
-        print(f"\nrelay push v9 + checks in {time.perf_counter() - t0:.2f} s")
+            _assert_serves(f, pusher, url, 10)
+            assert _differing(f, url, 10) == 0  # the follower's weights came through the lead
+        print(f"\nrelay push v10 + checks in {time.perf_counter() - t0:.2f} s")
     finally:
         pusher.transport.close()

@@ -55,7 +55,8 @@ NUM_WARPS = {"subst": 8, "chain": 8, "output": 4, "decode": 4}
 
 def row_layout(K: int, V: int) -> dict[str, int]:
     """Column offsets of a buffer row and its width ``R``."""
-    return {"K": 0, "W": K, "U": 2 * K, "D": 2 * K + V, "G": 2 * K + 2 * V, "R": 2 * K + 2 * V + 4}
+    G = 2 * K + 2 * V
+    return {"K": 0, "W": K, "U": 2 * K, "D": 2 * K + V, "G": G, "A": G + 1, "M": G + 2, "R": G + 4}
 
 
 def state_bytes(HV: int, K: int, V: int, chunk: int = CHUNK) -> dict[str, int]:

@@ -7,9 +7,13 @@ fp32 ``acc = acc + a * b`` on vectors or tiles, starting from zeros, with contra
 and the same association of every product in every kernel. Element-wise fp32 arithmetic is correctly rounded
 whatever the layout, the tile shape or the number of warps the compiler picks, so the prefill kernels (tiles of
 rows) and the decode kernel (one row) round alike. The only reductions are one-hot extractions
-(``tl.sum(tl.where(idx == l, x, 0))``): one non-zero term, exact in any order. Operands a loop needs element by
-element come from memory; a value a program wrote and then reads back crosses a ``tl.debug_barrier`` (its threads
-hold different parts of a tile).
+(``tl.reduce(tl.where(idx == l, x, 0), axis, add)``): one non-zero term, exact in any order. Operands a loop
+needs element by element come from memory; a value a program wrote and then reads back crosses a
+``tl.debug_barrier`` (its threads hold different parts of a tile).
+
+Speed: a loop whose every iteration loads from memory is unrolled (``tl.static_range``, with a mask where its trip
+count is a runtime value) so that the loads are independent instructions the GPU can issue ahead of the
+arithmetic chain; loops over registers only (the substitution's and the outputs' one-hot picks) stay loops.
 """
 
 from __future__ import annotations
@@ -30,16 +34,17 @@ if _ADD is None:  # pragma: no cover - older/newer Triton without the private na
 
 
 @triton.jit
-def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, R: tl.constexpr, OFF_K: tl.constexpr, OFF_D: tl.constexpr,
-          OFF_G: tl.constexpr):
+def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, C: tl.constexpr, R: tl.constexpr, OFF_K: tl.constexpr,
+          OFF_D: tl.constexpr, OFF_G: tl.constexpr):
     """``exp(G_last) S + sum_{j < n_rows} (exp(G_last - G_j) k_j) delta_j^T``, j in order (a chunk folded into its
     entering state; ``S`` a [K, BV] block, ``offs_v`` its delta columns)."""
     acc = tl.exp(g_last) * S
-    for j in range(n_rows):
-        k_j = tl.load(rows_ptr + j * R + OFF_K + offs_k)
-        g_j = tl.load(rows_ptr + j * R + OFF_G)
-        d_j = tl.load(rows_ptr + j * R + OFF_D + offs_v)
-        acc = acc + (tl.exp(g_last - g_j) * k_j)[:, None] * d_j[None, :]
+    for j in tl.static_range(C):
+        # rows past n_rows (stale) are masked off as they load, then left out of the sum
+        k_j = tl.load(rows_ptr + j * R + OFF_K + offs_k, mask=(offs_k * 0 + j) < n_rows, other=0.0)
+        g_j = tl.load(rows_ptr + j * R + OFF_G, mask=j < n_rows, other=0.0)
+        d_j = tl.load(rows_ptr + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) < n_rows, other=0.0)
+        acc = tl.where(j < n_rows, acc + (tl.exp(g_last - g_j) * k_j)[:, None] * d_j[None, :], acc)
     return acc
 
 
@@ -51,8 +56,8 @@ def _subst_kernel(
     C: tl.constexpr, R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_G: tl.constexpr,
 ):
     """Program (chunk, value head): rows ``[r0, r1)`` of the chunk's ``k, G`` and ``[w | u]`` (adjacent in a row,
-    solved together: one substitution, ``WU >= K + V`` columns) into its scratch rows. Rows below ``r0`` (an open
-    chunk continued) are already there, copied from the state buffer."""
+    solved together: one substitution over ``WU >= K + V`` columns, in blocks of ``XB``) into its scratch rows.
+    Rows below ``r0`` (an open chunk continued) are already there, copied from the state buffer."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -68,20 +73,22 @@ def _subst_kernel(
     tl.store(rows + offs_c[:, None] * R + OFF_K + offs_k[None, :], k_CK.to(tl.float32), mask=new[:, None])
     # G: the sequential fp32 cumulative sum, continued from the open chunk's last row (0 + g_0 = g_0 exactly)
     G_prev = tl.load(rows + (r0 - 1) * R + OFF_G, mask=r0 > 0, other=0.0)
-    for i in range(r0, r1):
-        G_prev = G_prev + tl.load(g_ptr + (t0 + i - r0) * sg_t + hv).to(tl.float32)
-        tl.store(rows + i * R + OFF_G, G_prev)
+    for i in tl.static_range(C):
+        in_piece = (i >= r0) & (i < r1)
+        g_i = tl.load(g_ptr + (t0 + i - r0) * sg_t + hv, mask=in_piece, other=0.0).to(tl.float32)
+        G_prev = tl.where(in_piece, G_prev + g_i, G_prev)
+        tl.store(rows + i * R + OFF_G, G_prev, mask=in_piece)
     tl.debug_barrier()
     G_C = tl.load(rows + offs_c * R + OFF_G, mask=offs_c < r1, other=0.0)
     beta_C = tl.load(beta_ptr + tok * sb_t + hv, mask=new, other=0.0).to(tl.float32)
     p_kcol = rows + offs_c * R + OFF_K
     kk_CC = tl.zeros([C, C], dtype=tl.float32)
-    for kk in range(K):
+    for kk in tl.static_range(K):
         col = tl.load(p_kcol + kk, mask=offs_c < r1, other=0.0)
         kk_CC = kk_CC + col[:, None] * col[None, :]
     A_CC = tl.where(offs_c[:, None] > offs_c[None, :],
                     (beta_C[:, None] * tl.exp(G_C[:, None] - G_C[None, :])) * kk_CC, 0.0)
-    # the substitution in blocks of XB of the [w | u] columns (independent columns: fewer live registers)
+    done = offs_c[:, None] < r0
     for xb in tl.static_range(0, WU, XB):
         offs_x = xb + tl.arange(0, XB)
         # right-hand sides [beta exp(G) k | beta v] of the new rows; the continued rows' solved [w | u]
@@ -93,7 +100,6 @@ def _subst_kernel(
                         other=0.0)
         rhs = tl.where(is_w, (beta_C * tl.exp(G_C))[:, None] * k_ext.to(tl.float32),
                        beta_C[:, None] * v_ext.to(tl.float32))
-        done = offs_c[:, None] < r0
         rhs = tl.where(done, tl.load(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :],
                                      mask=done & (is_w | is_u), other=0.0), rhs)
         # forward substitution column by column: row i's sum takes l = 0, 1, ..., i-1 in order (the decode
@@ -139,15 +145,17 @@ def _chain_kernel(
         new = (offs_c >= r0) & (offs_c < r1)
         tok = t0 + (offs_c - r0).to(tl.int64)
         rows = scr_ptr + (c64 * HV + hv) * C * R
+        p_qcol = q_ptr + tok * sq_t + h * sq_h
+        p_wcol = rows + offs_c * R + OFF_W
         # the loop below reads S row by row: through memory (this program's own block of the state)
         tl.store(s_base + p_S, S)
         tl.debug_barrier()
         x_CV = tl.zeros([C, BV], dtype=tl.float32)
         qs_CV = tl.zeros([C, BV], dtype=tl.float32)
-        for kk in range(K):
+        for kk in tl.static_range(K):
             s_row = tl.load(s_base + kk * V + offs_v)
-            w_col = tl.load(rows + offs_c * R + OFF_W + kk, mask=new, other=0.0)
-            q_col = tl.load(q_ptr + tok * sq_t + h * sq_h + kk, mask=new, other=0.0).to(tl.float32) * scale
+            w_col = tl.load(p_wcol + kk, mask=new, other=0.0)
+            q_col = tl.load(p_qcol + kk, mask=new, other=0.0).to(tl.float32) * scale
             x_CV = x_CV + w_col[:, None] * s_row[None, :]
             qs_CV = qs_CV + q_col[:, None] * s_row[None, :]
         u_CV = tl.load(rows + offs_c[:, None] * R + OFF_U + offs_v[None, :], mask=new[:, None], other=0.0)
@@ -157,7 +165,7 @@ def _chain_kernel(
                  mask=new[:, None])
         tl.debug_barrier()
         g_last = tl.load(rows + (r1 - 1) * R + OFF_G)
-        final = _fold(S, rows, g_last, r1, offs_k, offs_v, R, OFF_K, OFF_D, OFF_G)
+        final = _fold(S, rows, g_last, r1, offs_k, offs_v, C, R, OFF_K, OFF_D, OFF_G)
         S = tl.where(r1 == C, final, S)
     tl.store(s_base + p_S, S)
     tl.store(final_ptr + (n * HV + hv) * K * V + p_S, final)
@@ -187,7 +195,7 @@ def _output_kernel(
     p_qcol = q_ptr + tok * sq_t + h * sq_h
     p_kcol = rows + offs_c * R + OFF_K
     qk_CC = tl.zeros([C, C], dtype=tl.float32)
-    for kk in range(K):
+    for kk in tl.static_range(K):
         q_col = tl.load(p_qcol + kk, mask=new, other=0.0).to(tl.float32) * scale
         k_col = tl.load(p_kcol + kk, mask=offs_c < r1, other=0.0)
         qk_CC = qk_CC + q_col[:, None] * k_col[None, :]
@@ -212,10 +220,11 @@ def _decode_kernel(
     scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WU: tl.constexpr, C: tl.constexpr,
     R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_U: tl.constexpr, OFF_D: tl.constexpr,
-    OFF_G: tl.constexpr,
+    OFF_G: tl.constexpr, OFF_A: tl.constexpr, OFF_M: tl.constexpr,
 ):
     """Program (sequence, value head): one token at row ``i = pos % C`` of the open chunk -- its buffer row
-    written, its output, and the chunk folded into ``S`` at ``i = C - 1``."""
+    written, its output, and the chunk folded into ``S`` at ``i = C - 1``. The step's own ``A[i, :]`` and output
+    weights go through the rows' scratch columns ``OFF_A``/``OFF_M`` (read back as scalars)."""
     b = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -238,44 +247,44 @@ def _decode_kernel(
     kk_C = tl.zeros([C], dtype=tl.float32)
     qk_C = tl.zeros([C], dtype=tl.float32)
     qs_V = tl.zeros([V], dtype=tl.float32)
-    for kk in range(K):
+    for kk in tl.static_range(K):
         col = tl.load(p_kcol + kk, mask=seen, other=0.0)
         q_s = tl.load(p_q + kk).to(tl.float32) * scale
         kk_C = kk_C + tl.load(p_k + kk).to(tl.float32) * col
         qk_C = qk_C + q_s * col
         qs_V = qs_V + q_s * tl.load(s_base + kk * V + offs_v)
     G_C = tl.load(rows + offs_c * R + OFF_G, mask=seen, other=0.0)
-    a_C = tl.where(offs_c < i, (beta_i * tl.exp(G_i - G_C)) * kk_C, 0.0)
-    m_C = tl.where(seen, tl.exp(G_i - G_C) * qk_C, 0.0)
-    # the substitution's terms A[i,l] [w | u]_l, then their sum in order l = 0..i-1
+    tl.store(rows + offs_c * R + OFF_A, tl.where(offs_c < i, (beta_i * tl.exp(G_i - G_C)) * kk_C, 0.0), mask=seen)
+    tl.store(rows + offs_c * R + OFF_M, tl.where(seen, tl.exp(G_i - G_C) * qk_C, 0.0), mask=seen)
+    tl.debug_barrier()
+    # the substitution's sum over l = 0..i-1 in order
     is_w = offs_x < K
     is_wu = offs_x < K + V
-    old = tl.load(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :],
-                  mask=(offs_c < i)[:, None] & is_wu[None, :], other=0.0)
-    terms = a_C[:, None] * old
     acc = tl.zeros([WU], dtype=tl.float32)
-    for l in range(i):
-        acc = acc + tl.reduce(tl.where(offs_c[:, None] == l, terms, 0.0), 0, _ADD)  # one-hot: exact
+    for l in tl.static_range(C - 1):
+        a_l = tl.load(rows + l * R + OFF_A, mask=l < i, other=0.0)
+        x_l = tl.load(rows + l * R + OFF_W + offs_x, mask=is_wu & ((offs_x * 0 + l) < i), other=0.0)
+        acc = tl.where(l < i, acc + a_l * x_l, acc)
     k_x = tl.load(p_k + offs_x, mask=is_w, other=0.0).to(tl.float32)
     v_x = tl.load(v_ptr + b * sv_t + hv * sv_h + (offs_x - K), mask=is_wu & (offs_x >= K), other=0.0).to(tl.float32)
     wu_i = tl.where(is_w, (beta_i * tl.exp(G_i)) * k_x, beta_i * v_x) - acc
     tl.store(rows + i * R + OFF_W + offs_x, wu_i, mask=is_wu)
     tl.debug_barrier()
     x_V = tl.zeros([V], dtype=tl.float32)
-    for kk in range(K):
+    for kk in tl.static_range(K):
         x_V = x_V + tl.load(rows + i * R + OFF_W + kk) * tl.load(s_base + kk * V + offs_v)
     tl.store(rows + i * R + OFF_D + offs_v, tl.load(rows + i * R + OFF_U + offs_v) - x_V)
     tl.debug_barrier()
-    terms_o = m_C[:, None] * tl.load(rows + offs_c[:, None] * R + OFF_D + offs_v[None, :], mask=seen[:, None],
-                                     other=0.0)
     inner = tl.zeros([V], dtype=tl.float32)
-    for j in range(i + 1):
-        inner = inner + tl.reduce(tl.where(offs_c[:, None] == j, terms_o, 0.0), 0, _ADD)
+    for j in tl.static_range(C):
+        m_j = tl.load(rows + j * R + OFF_M, mask=j <= i, other=0.0)
+        d_j = tl.load(rows + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) <= i, other=0.0)
+        inner = tl.where(j <= i, inner + m_j * d_j, inner)
     o = tl.exp(G_i) * qs_V + inner
     tl.store(o_ptr + b * so_t + hv * so_h + offs_v, o.to(o_ptr.dtype.element_ty))
     if i == C - 1:
         p_S = offs_k[:, None] * V + offs_v[None, :]
-        S = _fold(tl.load(s_base + p_S), rows, G_i, C, offs_k, offs_v, R, OFF_K, OFF_D, OFF_G)
+        S = _fold(tl.load(s_base + p_S), rows, G_i, C, offs_k, offs_v, C, R, OFF_K, OFF_D, OFF_G)
         tl.store(s_base + p_S, S)
 
 
@@ -325,7 +334,7 @@ def decode_kernel(
     B, H, K = q.shape
     HV, V = v.shape[1:]
     C, R = buf.shape[2], buf.shape[3]
-    offs = {f"OFF_{n}": layout[n] for n in ("K", "W", "U", "D", "G")}
+    offs = {f"OFF_{n}": layout[n] for n in ("K", "W", "U", "D", "G", "A", "M")}
     _decode_kernel[(B, HV)](
         q, k, v, g, beta, pos, S, buf, o,
         scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),

@@ -401,11 +401,11 @@ def test_broadcast_push_reaches_both_generators_bit_exact(fleet: Fleet) -> None:
 
 
 def test_push_killed_midway_commits_nowhere(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_titan_plugin.swap import relay
+    from titan_rl_ext.rl.transports import collective
 
     f = fleet
     pusher = _pusher(f)
-    real_pack, calls = relay.pack, []
+    real_pack, calls = collective.pack, []
 
     def dying_pack(tensors: list[torch.Tensor]) -> torch.Tensor:
         calls.append(len(tensors))
@@ -414,10 +414,10 @@ def test_push_killed_midway_commits_nowhere(fleet: Fleet, monkeypatch: pytest.Mo
         return real_pack(tensors)
 
     try:
-        monkeypatch.setattr(relay, "pack", dying_pack)
+        monkeypatch.setattr(collective, "pack", dying_pack)
         with pytest.raises(KeyboardInterrupt):
             pusher.push(_weights(f, 5), 5)
-        monkeypatch.setattr(relay, "pack", real_pack)
+        monkeypatch.setattr(collective, "pack", real_pack)
         for url in f.urls:  # no half version: the old one, whole
             _assert_serves(f, pusher, url, 4)
         pusher.push(f.weights[5], 5)  # a new group (the old one was closed), the whole version
@@ -463,11 +463,11 @@ def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch
     its port meanwhile, joins v9's group."""
     from titan_rl_ext.rl.generator_server import GeneratorServer
     from titan_rl_ext.rl.weight_sync import WeightPushError
-    from vllm_titan_plugin.swap import relay
+    from titan_rl_ext.rl.transports import collective
 
     f = fleet
     pusher = _pusher(f)
-    real_pack, calls = relay.pack, []
+    real_pack, calls = collective.pack, []
 
     def kill_at_second_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
         calls.append(len(tensors))
@@ -480,10 +480,10 @@ def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch
 
     try:
         pusher.push(_weights(f, 7), 7)
-        monkeypatch.setattr(relay, "pack", kill_at_second_bucket)
+        monkeypatch.setattr(collective, "pack", kill_at_second_bucket)
         with pytest.raises(WeightPushError) as e:
             pusher.push(_weights(f, 8), 8)
-        monkeypatch.setattr(relay, "pack", real_pack)
+        monkeypatch.setattr(collective, "pack", real_pack)
         ok = {r["url"]: r["ok"] for r in e.value.results}
         assert ok == {f.urls[0]: True, f.urls[1]: False}, e.value.results
         assert pusher.transport._builds == 2  # both, then server 0 alone for the second try

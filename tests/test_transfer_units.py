@@ -1,6 +1,6 @@
 """The broadcast push's pieces without servers (issue 43): packed buckets, the groups' layout, bad input.
 
-``swap.relay``'s packing must give back every tensor bit for bit (any dtype, empty and odd-sized ones) from
+``transports.collective``'s packing must give back every tensor bit for bit (any dtype, empty and odd-sized ones) from
 metadata alone; the transport's buckets and its relay topology (one lead per host, followers ranked after it);
 the engine's init and update infos refuse what they cannot use with a message naming it; and two processes'
 worth of groups on one store (the trainer's and a host's) carry a packed bucket through a lead to a follower.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_titan_plugin.swap import relay
+from titan_rl_ext.rl.transports import collective
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -26,15 +26,15 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def test_pack_unpack_is_bit_exact_from_metadata() -> None:
     ts = _tensors()
-    buf = relay.pack(list(ts.values()))
-    spans, total = relay.packed_layout([t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
+    buf = collective.pack(list(ts.values()))
+    spans, total = collective.packed_layout([t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
     assert buf.dtype == torch.uint8 and buf.numel() == total
-    assert all(off % relay.ALIGN_BYTES == 0 for off, _ in spans)
-    back = relay.unpack(buf, [t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
+    assert all(off % collective.ALIGN_BYTES == 0 for off, _ in spans)
+    back = collective.unpack(buf, [t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
     for (name, t), u in zip(ts.items(), back):
         assert u.dtype == t.dtype and torch.equal(u, t), name
     with pytest.raises(ValueError, match="bytes"):
-        relay.unpack(buf[:-1], [t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
+        collective.unpack(buf[:-1], [t.dtype for t in ts.values()], [list(t.shape) for t in ts.values()])
 
 
 def test_buckets_and_relay_topology() -> None:
@@ -105,6 +105,8 @@ def test_lead_relays_a_packed_bucket_to_its_follower_on_one_store() -> None:
 
     from torch.distributed import TCPStore
 
+    from vllm_titan_plugin.swap import relay  # the engine side's fanout (imports vLLM through its package)
+
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20),
                      multi_tenant=True)
     ts = list(_tensors().values())
@@ -112,29 +114,29 @@ def test_lead_relays_a_packed_bucket_to_its_follower_on_one_store() -> None:
     got: dict[str, Any] = {}
 
     def lead() -> None:
-        client = relay.client_store("127.0.0.1", store.port, 20)
-        net = relay.process_group(client, "run/1/net", 1, 2, "gloo", 20)
+        client = collective.client_store("127.0.0.1", store.port, 20)
+        net = collective.process_group(client, "run/1/net", 1, 2, "gloo", 20)
         host = relay.make_fanout(client, "run/1/host0", 0, 2, "gloo", 20)
-        buf = torch.empty(relay.packed_layout(dtypes, shapes)[1], dtype=torch.uint8)
+        buf = torch.empty(collective.packed_layout(dtypes, shapes)[1], dtype=torch.uint8)
         net.broadcast(buf, 0).wait()
         host.pass_on(buf)
-        got["lead"] = relay.unpack(buf, dtypes, shapes)
+        got["lead"] = collective.unpack(buf, dtypes, shapes)
 
     def follower() -> None:
-        client = relay.client_store("127.0.0.1", store.port, 20)
+        client = collective.client_store("127.0.0.1", store.port, 20)
         host = relay.make_fanout(client, "run/1/host0", 1, 2, "gloo", 20)
-        buf = torch.empty(relay.packed_layout(dtypes, shapes)[1], dtype=torch.uint8)
+        buf = torch.empty(collective.packed_layout(dtypes, shapes)[1], dtype=torch.uint8)
         host.take(buf)
-        got["follower"] = relay.unpack(buf, dtypes, shapes)
+        got["follower"] = collective.unpack(buf, dtypes, shapes)
 
     threads = [threading.Thread(target=fn) for fn in (lead, follower)]
     for th in threads:
         th.start()
-    trainer = relay.process_group(store, "run/1/net", 0, 2, "gloo", 20)
-    trainer.broadcast(relay.pack(ts), 0).wait()
+    trainer = collective.process_group(store, "run/1/net", 0, 2, "gloo", 20)
+    trainer.broadcast(collective.pack(ts), 0).wait()
     for th in threads:
         th.join(30)
     for who in ("lead", "follower"):
         assert all(torch.equal(a, b) for a, b in zip(got[who], ts)), who
     with pytest.raises(ValueError, match="backend"):
-        relay.process_group(store, "x", 0, 1, "mpi", 1)
+        collective.process_group(store, "x", 0, 1, "mpi", 1)

@@ -6,7 +6,7 @@ every other call that changes a server (``WeightPusher.dev_post``):
 
 - ``/init_weight_transfer_engine`` when the set of generators (or one's boot) changed since the last group
   was built: the trainer hosts one rendezvous store (``TCPStore``) for the run and builds every group on it
-  under a fresh key prefix (``swap.relay.process_group``), so a rebuild needs no new port;
+  under a fresh key prefix (``collective.process_group``), so a rebuild needs no new port;
 - per version ``/start_weight_update``, one ``/update_weights`` per bucket (names, dtypes, shapes; the bucket's
   bytes go by one broadcast from rank 0 while the call runs), then ``/finish_weight_update`` with the version,
   which commits through the server's ``locked_swap`` (all-or-none, version tags, re-salted prefix cache).
@@ -22,7 +22,8 @@ version.
 ``titan_gloo`` puts every generator in the trainer's group (the trainer's link carries one copy per
 generator at most, by gloo's broadcast). ``titan_gloo_relay`` puts one generator per host (the lead) in it;
 the lead passes each buffer on to the host's other generators through a host-local group
-(``swap.relay``), so the network carries one model per host per version.
+(``vllm_titan_plugin.swap.relay``), so the network carries one model per host per version. Needs torch only
+(not vLLM) on the trainer.
 
 Options (``WeightPusher(transport_options=...)``): ``address`` (where generators reach the trainer's store;
 default: 127.0.0.1 when every generator is local, else this host's address on the route to them), ``port``
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from titan_rl_ext.rl.transports import register_transport
+from titan_rl_ext.rl.transports import collective, register_transport
 from titan_rl_ext.rl.transports.base import Link, PushResult, Staged
 
 logger = logging.getLogger(__name__)
@@ -266,8 +267,6 @@ class VllmTransferTransport:
         if self._group is not None and self._topology == topo:
             return
         self._close()
-        from vllm_titan_plugin.swap.relay import process_group
-
         if self._store is None:
             from datetime import timedelta
 
@@ -284,7 +283,7 @@ class VllmTransferTransport:
         infos = topo.init_infos(self.address or "127.0.0.1", int(self._store.port), prefix, self.timeout_s)
         answers = self._call_all(INIT, {u: {"init_info": infos[u]} for u in infos})
         try:
-            group = process_group(self._store, f"{prefix}/net", 0, len(topo.leads) + 1, self.backend, self.timeout_s)
+            group = collective.process_group(self._store, f"{prefix}/net", 0, len(topo.leads) + 1, self.backend, self.timeout_s)
         except Exception as e:
             raise TransferFailed(f"building the trainer's group: {e}") from e
         finally:
@@ -329,13 +328,11 @@ class VllmTransferTransport:
         self._call_all(FINISH, {u: {} for u in urls})()
 
     def _transfer(self, live: list[str], buckets: list[Bucket]) -> None:
-        from vllm_titan_plugin.swap.relay import pack
-
         self._start(live)
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         for bucket in buckets:
             answers = self._call_all(UPDATE, {u: {"update_info": bucket.info()} for u in live})
-            buf = pack([t.to(device) for t in bucket.tensors])
+            buf = collective.pack([t.to(device) for t in bucket.tensors])
             try:
                 self._group.broadcast(buf, 0).wait()
             except Exception as e:
@@ -364,9 +361,7 @@ class VllmTransferTransport:
         """Drop the trainer's group (its members' pending receives fail now); the next push builds anew."""
         group, self._group, self._topology = self._group, None, None
         if group is not None:
-            from vllm_titan_plugin.swap.relay import close_group
-
-            close_group(group)
+            collective.close_group(group)
 
     def close(self) -> None:
         """Release the group and the store (the generators' groups fail on their next use and are rebuilt)."""

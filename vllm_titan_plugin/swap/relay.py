@@ -1,5 +1,5 @@
 """Per-host relay for broadcast weight pushes: one engine per host takes the trainer's broadcast, the
-others on that host take it from that engine (issue 43, item 2). Also the group helper both sides use.
+others on that host take it from that engine (issue 43, item 2).
 
 Why here, beside the engines, and not as a process of its own: the relay *is* one of the host's engines (the
 "lead", chosen by the trainer: the first live generator of each host). Its worker joins the trainer's

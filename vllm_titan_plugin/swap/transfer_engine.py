@@ -103,7 +103,7 @@ class TitanGlooUpdateInfo(WeightTransferUpdateInfo):
     """One chunk: the tensors the trainer broadcasts next, in this order (HF checkpoint names).
 
     Optional, from our trainer: ``packed`` (the chunk's tensors travel as one uint8 buffer laid out by
-    ``relay.packed_layout``: one collective per chunk instead of one per tensor) and ``name_format``
+    ``collective.packed_layout``: one collective per chunk instead of one per tensor) and ``name_format``
     (``"titan"``: the names are the served model's own, no HF adapter in between)."""
 
     names: list[str]
@@ -161,14 +161,18 @@ class TitanGlooWeightTransferEngine(WeightTransferEngine[TitanGlooInitInfo, Tita
             self.joined = True
             return
         # our trainer: every group on its one store, each under its own prefix
-        store = relay.client_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
-        if not init_info.follower:
-            self.group = relay.process_group(store, init_info.group_name, rank, init_info.world_size,
-                                             self.torch_backend, init_info.timeout_s)
-        if init_info.relay_group is not None:
-            self.fanout = relay.make_fanout(store, init_info.relay_group, init_info.relay_rank, init_info.relay_size,
-                                            self.torch_backend, init_info.timeout_s)
-            self.lead = not init_info.follower
+        try:
+            store = relay.client_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
+            if not init_info.follower:
+                self.group = relay.process_group(store, init_info.group_name, rank, init_info.world_size,
+                                                 self.torch_backend, init_info.timeout_s)
+            if init_info.relay_group is not None:
+                self.fanout = relay.make_fanout(store, init_info.relay_group, init_info.relay_rank,
+                                                init_info.relay_size, self.torch_backend, init_info.timeout_s)
+                self.lead = not init_info.follower
+        except BaseException:
+            self.shutdown()  # a half-joined lead (trainer's group, no host group) holds nothing past this
+            raise
         self.joined = True
 
     def start_weight_update(self) -> None:

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from vllm_titan_plugin.swap import relay
-from vllm_titan_plugin.swap.validate import ST_DTYPE, name_list, spec_problems
+from vllm_titan_plugin.swap.validate import ST_DTYPE, name_list, push_spec, spec_problems
 
 logger = logging.getLogger("vllm.titan_plugin")
 
@@ -269,16 +269,19 @@ def staged_commit(worker: Any) -> int | dict[str, Any]:
 
 
 def _checked_copy(target: Any, titan: dict[str, torch.Tensor]) -> int | dict[str, Any]:
-    """The whole model checked (names, shapes, dtypes, NaN/Inf) before the first copy."""
+    """Everything received checked (names, shapes, dtypes, NaN/Inf) before the first copy, against the whole
+    model -- or, on a model serving LoRA adapters, against exactly its adapters when every name is an adapter's
+    (``validate.push_spec``, as the HTTP intake does)."""
     got = {n: [ST_DTYPE.get(t.dtype, str(t.dtype)), list(t.shape)] for n, t in titan.items()}
-    if problems := spec_problems(target.spec(), got):
+    want = push_spec(target.spec(), got)
+    if problems := spec_problems(want, got):
         return {"problems": problems, "tensors": [], "status": 422}
     nonfinite = [n for n, t in titan.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if nonfinite:
         return {"problems": [f"NaN/Inf in tensors: {name_list(nonfinite)}"], "tensors": nonfinite, "status": 422}
     with torch.no_grad():
-        target.copy_in(titan.__getitem__)
-    return len(titan)
+        target.copy_in(titan.__getitem__, list(want))
+    return len(want)
 
 
 class TitanTransferExtension:

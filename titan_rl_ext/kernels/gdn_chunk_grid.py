@@ -49,8 +49,8 @@ import torch
 CHUNK = 64
 BV = 32  # value columns per chain / output program: 4 programs per head at V = 128
 # warps per kernel: the bits do not depend on them (every sum is element-wise); chosen so that ptxas (sm_90a) reports
-# no register spills at the 9B's heads (K = V = 128)
-NUM_WARPS = {"subst": 8, "chain": 8, "output": 4, "decode": 4}
+# no register spills at the 9B's heads, K = V = 128 (decode: 8 bytes; ``benchmarks/gdn_chunk_grid.py --compile-only``)
+NUM_WARPS = {"subst": 8, "chain": 8, "output": 8, "decode": 4}
 
 
 def row_layout(K: int, V: int) -> dict[str, int]:

@@ -11,9 +11,10 @@ rows) and the decode kernel (one row) round alike. The only reductions are one-h
 needs element by element come from memory; a value a program wrote and then reads back crosses a
 ``tl.debug_barrier`` (its threads hold different parts of a tile).
 
-Speed: a loop whose every iteration loads from memory is unrolled (``tl.static_range``, with a mask where its trip
-count is a runtime value) so that the loads are independent instructions the GPU can issue ahead of the
-arithmetic chain; loops over registers only (the substitution's and the outputs' one-hot picks) stay loops.
+Speed: a loop whose every iteration loads from memory runs ``UNROLL`` iterations per trip (an inner
+``tl.static_range``, masked past a runtime trip count) so that their loads are independent instructions the GPU
+issues ahead of the arithmetic chain; loops over registers only (the substitution's and the outputs' one-hot picks)
+stay plain loops. Unrolling everything instead cost minutes of compilation and spilled (ptxas, sm_90a).
 """
 
 from __future__ import annotations
@@ -33,18 +34,22 @@ if _ADD is None:  # pragma: no cover - older/newer Triton without the private na
         return a + b
 
 
+UNROLL = tl.constexpr(8)  # iterations per trip of the loops that load (K, V, C: multiples of it)
+
 @triton.jit
-def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, C: tl.constexpr, R: tl.constexpr, OFF_K: tl.constexpr,
-          OFF_D: tl.constexpr, OFF_G: tl.constexpr):
+def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, R: tl.constexpr, OFF_K: tl.constexpr, OFF_D: tl.constexpr,
+          OFF_G: tl.constexpr):
     """``exp(G_last) S + sum_{j < n_rows} (exp(G_last - G_j) k_j) delta_j^T``, j in order (a chunk folded into its
     entering state; ``S`` a [K, BV] block, ``offs_v`` its delta columns)."""
     acc = tl.exp(g_last) * S
-    for j in tl.static_range(C):
-        # rows past n_rows (stale) are masked off as they load, then left out of the sum
-        k_j = tl.load(rows_ptr + j * R + OFF_K + offs_k, mask=(offs_k * 0 + j) < n_rows, other=0.0)
-        g_j = tl.load(rows_ptr + j * R + OFF_G, mask=j < n_rows, other=0.0)
-        d_j = tl.load(rows_ptr + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) < n_rows, other=0.0)
-        acc = tl.where(j < n_rows, acc + (tl.exp(g_last - g_j) * k_j)[:, None] * d_j[None, :], acc)
+    for j0 in range(0, n_rows, UNROLL):
+        for dj in tl.static_range(UNROLL):
+            j = j0 + dj
+            # rows past n_rows (stale) are masked off as they load, then left out of the sum
+            k_j = tl.load(rows_ptr + j * R + OFF_K + offs_k, mask=(offs_k * 0 + j) < n_rows, other=0.0)
+            g_j = tl.load(rows_ptr + j * R + OFF_G, mask=j < n_rows, other=0.0)
+            d_j = tl.load(rows_ptr + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) < n_rows, other=0.0)
+            acc = tl.where(j < n_rows, acc + (tl.exp(g_last - g_j) * k_j)[:, None] * d_j[None, :], acc)
     return acc
 
 
@@ -73,19 +78,23 @@ def _subst_kernel(
     tl.store(rows + offs_c[:, None] * R + OFF_K + offs_k[None, :], k_CK.to(tl.float32), mask=new[:, None])
     # G: the sequential fp32 cumulative sum, continued from the open chunk's last row (0 + g_0 = g_0 exactly)
     G_prev = tl.load(rows + (r0 - 1) * R + OFF_G, mask=r0 > 0, other=0.0)
-    for i in tl.static_range(C):
-        in_piece = (i >= r0) & (i < r1)
-        g_i = tl.load(g_ptr + (t0 + i - r0) * sg_t + hv, mask=in_piece, other=0.0).to(tl.float32)
-        G_prev = tl.where(in_piece, G_prev + g_i, G_prev)
-        tl.store(rows + i * R + OFF_G, G_prev, mask=in_piece)
+    for i0 in range(r0, r1, UNROLL):
+        for di in tl.static_range(UNROLL):
+            i = i0 + di
+            in_piece = (i >= r0) & (i < r1)
+            g_i = tl.load(g_ptr + (t0 + i - r0) * sg_t + hv, mask=in_piece, other=0.0).to(tl.float32)
+            G_prev = tl.where(in_piece, G_prev + g_i, G_prev)
+            tl.store(rows + i * R + OFF_G, G_prev, mask=in_piece)
     tl.debug_barrier()
     G_C = tl.load(rows + offs_c * R + OFF_G, mask=offs_c < r1, other=0.0)
     beta_C = tl.load(beta_ptr + tok * sb_t + hv, mask=new, other=0.0).to(tl.float32)
     p_kcol = rows + offs_c * R + OFF_K
     kk_CC = tl.zeros([C, C], dtype=tl.float32)
-    for kk in tl.static_range(K):
-        col = tl.load(p_kcol + kk, mask=offs_c < r1, other=0.0)
-        kk_CC = kk_CC + col[:, None] * col[None, :]
+    for kk0 in range(0, K, UNROLL):
+        for dkk in tl.static_range(UNROLL):
+            kk = kk0 + dkk
+            col = tl.load(p_kcol + kk, mask=offs_c < r1, other=0.0)
+            kk_CC = kk_CC + col[:, None] * col[None, :]
     A_CC = tl.where(offs_c[:, None] > offs_c[None, :],
                     (beta_C[:, None] * tl.exp(G_C[:, None] - G_C[None, :])) * kk_CC, 0.0)
     done = offs_c[:, None] < r0
@@ -152,12 +161,14 @@ def _chain_kernel(
         tl.debug_barrier()
         x_CV = tl.zeros([C, BV], dtype=tl.float32)
         qs_CV = tl.zeros([C, BV], dtype=tl.float32)
-        for kk in tl.static_range(K):
-            s_row = tl.load(s_base + kk * V + offs_v)
-            w_col = tl.load(p_wcol + kk, mask=new, other=0.0)
-            q_col = tl.load(p_qcol + kk, mask=new, other=0.0).to(tl.float32) * scale
-            x_CV = x_CV + w_col[:, None] * s_row[None, :]
-            qs_CV = qs_CV + q_col[:, None] * s_row[None, :]
+        for kk0 in range(0, K, UNROLL):
+            for dkk in tl.static_range(UNROLL):
+                kk = kk0 + dkk
+                s_row = tl.load(s_base + kk * V + offs_v)
+                w_col = tl.load(p_wcol + kk, mask=new, other=0.0)
+                q_col = tl.load(p_qcol + kk, mask=new, other=0.0).to(tl.float32) * scale
+                x_CV = x_CV + w_col[:, None] * s_row[None, :]
+                qs_CV = qs_CV + q_col[:, None] * s_row[None, :]
         u_CV = tl.load(rows + offs_c[:, None] * R + OFF_U + offs_v[None, :], mask=new[:, None], other=0.0)
         tl.store(rows + offs_c[:, None] * R + OFF_D + offs_v[None, :], u_CV - x_CV, mask=new[:, None])
         G_C = tl.load(rows + offs_c * R + OFF_G, mask=new, other=0.0)
@@ -165,7 +176,7 @@ def _chain_kernel(
                  mask=new[:, None])
         tl.debug_barrier()
         g_last = tl.load(rows + (r1 - 1) * R + OFF_G)
-        final = _fold(S, rows, g_last, r1, offs_k, offs_v, C, R, OFF_K, OFF_D, OFF_G)
+        final = _fold(S, rows, g_last, r1, offs_k, offs_v, R, OFF_K, OFF_D, OFF_G)
         S = tl.where(r1 == C, final, S)
     tl.store(s_base + p_S, S)
     tl.store(final_ptr + (n * HV + hv) * K * V + p_S, final)
@@ -195,10 +206,12 @@ def _output_kernel(
     p_qcol = q_ptr + tok * sq_t + h * sq_h
     p_kcol = rows + offs_c * R + OFF_K
     qk_CC = tl.zeros([C, C], dtype=tl.float32)
-    for kk in tl.static_range(K):
-        q_col = tl.load(p_qcol + kk, mask=new, other=0.0).to(tl.float32) * scale
-        k_col = tl.load(p_kcol + kk, mask=offs_c < r1, other=0.0)
-        qk_CC = qk_CC + q_col[:, None] * k_col[None, :]
+    for kk0 in range(0, K, UNROLL):
+        for dkk in tl.static_range(UNROLL):
+            kk = kk0 + dkk
+            q_col = tl.load(p_qcol + kk, mask=new, other=0.0).to(tl.float32) * scale
+            k_col = tl.load(p_kcol + kk, mask=offs_c < r1, other=0.0)
+            qk_CC = qk_CC + q_col[:, None] * k_col[None, :]
     G_C = tl.load(rows + offs_c * R + OFF_G, mask=offs_c < r1, other=0.0)
     m_CC = tl.where(offs_c[:, None] >= offs_c[None, :], tl.exp(G_C[:, None] - G_C[None, :]) * qk_CC, 0.0)
     d_CV = tl.load(rows + offs_c[:, None] * R + OFF_D + offs_v[None, :], mask=(offs_c < r1)[:, None], other=0.0)
@@ -247,12 +260,14 @@ def _decode_kernel(
     kk_C = tl.zeros([C], dtype=tl.float32)
     qk_C = tl.zeros([C], dtype=tl.float32)
     qs_V = tl.zeros([V], dtype=tl.float32)
-    for kk in tl.static_range(K):
-        col = tl.load(p_kcol + kk, mask=seen, other=0.0)
-        q_s = tl.load(p_q + kk).to(tl.float32) * scale
-        kk_C = kk_C + tl.load(p_k + kk).to(tl.float32) * col
-        qk_C = qk_C + q_s * col
-        qs_V = qs_V + q_s * tl.load(s_base + kk * V + offs_v)
+    for kk0 in range(0, K, UNROLL):
+        for dkk in tl.static_range(UNROLL):
+            kk = kk0 + dkk
+            col = tl.load(p_kcol + kk, mask=seen, other=0.0)
+            q_s = tl.load(p_q + kk).to(tl.float32) * scale
+            kk_C = kk_C + tl.load(p_k + kk).to(tl.float32) * col
+            qk_C = qk_C + q_s * col
+            qs_V = qs_V + q_s * tl.load(s_base + kk * V + offs_v)
     G_C = tl.load(rows + offs_c * R + OFF_G, mask=seen, other=0.0)
     tl.store(rows + offs_c * R + OFF_A, tl.where(offs_c < i, (beta_i * tl.exp(G_i - G_C)) * kk_C, 0.0), mask=seen)
     tl.store(rows + offs_c * R + OFF_M, tl.where(seen, tl.exp(G_i - G_C) * qk_C, 0.0), mask=seen)
@@ -261,30 +276,36 @@ def _decode_kernel(
     is_w = offs_x < K
     is_wu = offs_x < K + V
     acc = tl.zeros([WU], dtype=tl.float32)
-    for l in tl.static_range(C - 1):
-        a_l = tl.load(rows + l * R + OFF_A, mask=l < i, other=0.0)
-        x_l = tl.load(rows + l * R + OFF_W + offs_x, mask=is_wu & ((offs_x * 0 + l) < i), other=0.0)
-        acc = tl.where(l < i, acc + a_l * x_l, acc)
+    for l0 in range(0, i, UNROLL):
+        for dl in tl.static_range(UNROLL):
+            l = l0 + dl
+            a_l = tl.load(rows + l * R + OFF_A, mask=l < i, other=0.0)
+            x_l = tl.load(rows + l * R + OFF_W + offs_x, mask=is_wu & ((offs_x * 0 + l) < i), other=0.0)
+            acc = tl.where(l < i, acc + a_l * x_l, acc)
     k_x = tl.load(p_k + offs_x, mask=is_w, other=0.0).to(tl.float32)
     v_x = tl.load(v_ptr + b * sv_t + hv * sv_h + (offs_x - K), mask=is_wu & (offs_x >= K), other=0.0).to(tl.float32)
     wu_i = tl.where(is_w, (beta_i * tl.exp(G_i)) * k_x, beta_i * v_x) - acc
     tl.store(rows + i * R + OFF_W + offs_x, wu_i, mask=is_wu)
     tl.debug_barrier()
     x_V = tl.zeros([V], dtype=tl.float32)
-    for kk in tl.static_range(K):
-        x_V = x_V + tl.load(rows + i * R + OFF_W + kk) * tl.load(s_base + kk * V + offs_v)
+    for kk0 in range(0, K, UNROLL):
+        for dkk in tl.static_range(UNROLL):
+            kk = kk0 + dkk
+            x_V = x_V + tl.load(rows + i * R + OFF_W + kk) * tl.load(s_base + kk * V + offs_v)
     tl.store(rows + i * R + OFF_D + offs_v, tl.load(rows + i * R + OFF_U + offs_v) - x_V)
     tl.debug_barrier()
     inner = tl.zeros([V], dtype=tl.float32)
-    for j in tl.static_range(C):
-        m_j = tl.load(rows + j * R + OFF_M, mask=j <= i, other=0.0)
-        d_j = tl.load(rows + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) <= i, other=0.0)
-        inner = tl.where(j <= i, inner + m_j * d_j, inner)
+    for j0 in range(0, i + 1, UNROLL):
+        for dj in tl.static_range(UNROLL):
+            j = j0 + dj
+            m_j = tl.load(rows + j * R + OFF_M, mask=j <= i, other=0.0)
+            d_j = tl.load(rows + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) <= i, other=0.0)
+            inner = tl.where(j <= i, inner + m_j * d_j, inner)
     o = tl.exp(G_i) * qs_V + inner
     tl.store(o_ptr + b * so_t + hv * so_h + offs_v, o.to(o_ptr.dtype.element_ty))
     if i == C - 1:
         p_S = offs_k[:, None] * V + offs_v[None, :]
-        S = _fold(tl.load(s_base + p_S), rows, G_i, C, offs_k, offs_v, C, R, OFF_K, OFF_D, OFF_G)
+        S = _fold(tl.load(s_base + p_S), rows, G_i, C, offs_k, offs_v, R, OFF_K, OFF_D, OFF_G)
         tl.store(s_base + p_S, S)
 
 

@@ -4,6 +4,7 @@ same bits) costs, against the shipped recurrent kernel (BI's prefill and decode 
 
     python benchmarks/gdn_chunk_grid.py [--lengths 32768,65536] [--batches 1,32,256] [--out gdn_chunk_grid.json]
     TRITON_INTERPRET=1 python benchmarks/gdn_chunk_grid.py --smoke --device cpu   # toy sizes, seconds
+    python benchmarks/gdn_chunk_grid.py --compile-only [--arch 90]   # no GPU needed: registers, spills, FMAs
 
 At the 9B's GDN heads (16 key / 32 value heads of 128), bf16 q/k/v/beta, fp32 g and state:
 
@@ -20,11 +21,20 @@ decoded gives the whole prefill's last output row, state and open-chunk rows (``
 gives each sequence's bits alone (first two sequences). Reported, not gated: max |o| and |final state|
 differences against the recurrent kernel (two fp32 forms of one recurrence on bf16 inputs: expected ~1e-3 on the
 bf16 outputs, ~1e-5 on the state). State bytes per sequence and layer are printed and saved.
+
+``--compile-only`` compiles the four kernels at the 9B's heads for ``sm_<arch>`` without a GPU and reports, per
+kernel, the PTX's fused multiply-adds (must be 0: the bits rely on no contraction) and, where a ptxas that takes
+the PTX is found (Triton's own), registers and spill bytes.
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -160,13 +170,71 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
     return row
 
 
+def _compile_report(arch: int) -> list[dict[str, Any]]:
+    """Each kernel compiled for ``sm_<arch>`` (no device needed): FMAs in its PTX, and ptxas's registers/spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from titan_rl_ext.kernels import gdn_chunk_grid_triton as kt
+
+    L = cg.row_layout(K, V)
+    offs = {f"OFF_{n}": L[n] for n in ("K", "W", "U", "D", "G")}
+    WU = triton.next_power_of_2(K + V)
+    heads = dict(H=H, HV=HV, K=K, V=V, C=cg.CHUNK, R=L["R"])
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "beta_ptr": "*bf16", "o_ptr": "*bf16",
+            "pos_ptr": "*i64", "g_ptr": "*fp32", "scr_ptr": "*fp32", "s_ptr": "*fp32", "final_ptr": "*fp32",
+            "o32_ptr": "*fp32", "buf_ptr": "*fp32"}
+    specs = [
+        ("subst", kt._subst_kernel, dict(heads, WU=WU, XB=min(WU, 64), OFF_K=L["K"], OFF_W=L["W"], OFF_G=L["G"])),
+        ("chain", kt._chain_kernel, dict(heads, BV=cg.BV, **offs)),
+        ("output", kt._output_kernel, dict(heads, BV=cg.BV, OFF_K=L["K"], OFF_D=L["D"], OFF_G=L["G"])),
+        ("decode", kt._decode_kernel, dict(heads, WU=WU, OFF_A=L["A"], OFF_M=L["M"], **offs)),
+    ]
+    ptxas = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas*")))
+    rows = []
+    for name, fn, consts in specs:
+        sig = {a: "constexpr" if a in consts else ptrs.get(a, "*i32" if a.endswith("_ptr") else
+                                                         "fp32" if a == "scale" else "i32") for a in fn.arg_names}
+        t0 = time.perf_counter()
+        kern = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cg.NUM_WARPS[name], "enable_fp_fusion": False})
+        ptx = kern.asm["ptx"]
+        row: dict[str, Any] = {"kernel": name, "num_warps": cg.NUM_WARPS[name], "compile_s": time.perf_counter() - t0,
+                               "ptx_fma": len(re.findall(r"\bfma\.rn", ptx))}
+        path = f"/tmp/gdn_chunk_grid_{name}_{os.getpid()}.ptx"
+        with open(path, "w") as f:
+            f.write(ptx)
+        for exe in ptxas:  # the first that accepts this PTX version
+            r = subprocess.run([exe, f"-arch=sm_{arch}a", "-v", path, "-o", os.devnull], capture_output=True,
+                               text=True)
+            out = r.stdout + r.stderr
+            if r.returncode == 0:
+                regs = re.search(r"Used (\d+) registers", out)
+                spill = re.search(r"(\d+) bytes spill stores", out)
+                row.update(registers=int(regs.group(1)) if regs else None,
+                           spill_store_bytes=int(spill.group(1)) if spill else None, ptxas=os.path.basename(exe))
+                break
+        os.remove(path)
+        rows.append(row)
+        print("  " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return rows
+
+
 def main() -> int:
     ap = base_parser(__doc__, "toy heads and lengths (CPU, interpreter)")
     ap.add_argument("--lengths", default="32768,65536")
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--out", default="")
+    ap.add_argument("--compile-only", action="store_true", help="compile for --arch without a GPU and report")
+    ap.add_argument("--arch", type=int, default=90)
     add_timing_args(ap, warmup=1, reps=5, max_s=10.0)
     args = ap.parse_args()
+    if args.compile_only:
+        rows = _compile_report(args.arch)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"compile": rows}, indent=1))
+        return 0 if all(r["ptx_fma"] == 0 for r in rows) else 1
     if args.smoke:  # checks and one timed call each: seconds under the interpreter
         args.warmup, args.reps, args.max_s = 0, 1, 1.0
     t0 = time.perf_counter()

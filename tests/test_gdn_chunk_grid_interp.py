@@ -126,6 +126,10 @@ def _check_one_sequence(C: int, heads: tuple[int, int, int, int], T: int, cuts: 
     o_e, fin_e = cg.prefill(*(t[d1:] for t in x), [0, T - d1], SCALE, *st, pos=[d1])
     assert torch.equal(torch.cat([*parts, o_e]), o_w) and torch.equal(fin_e, fin_w)
     assert _equal_states(st, whole, T % C)
+    # the plain-PyTorch fixed order, token by token (the interpreter's exp)
+    st_t = cg.new_state(1, *heads[1:], chunk=C, initial_state=h0)
+    assert torch.equal(cg.prefill_torch(*x, [0, T], SCALE, *st_t, exp=_np_exp), o_w)
+    assert _equal_states(st_t, whole, T % C)
 
 
 def _check_cuts_chunk16() -> None:

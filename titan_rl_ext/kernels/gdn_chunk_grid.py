@@ -23,21 +23,33 @@ where ``kernels.gdn_triton`` applies it; q/k arrive L2-normalised, g/beta formed
 
 Every sum runs in one fixed order (dot products over the K index 0..K-1, sums over rows l / j from 0 up), each
 term ``acc = acc + a * b`` from zeros, each product associated as written: the kernels
-(``kernels.gdn_chunk_grid_triton``, whose docstring says how) and ``decode_step_torch`` do exactly this.
-Mathematically it is the gated delta rule (the chunk form ``kernels.gdn.chunk_gated_delta_rule_torch`` derives,
-with the substitution instead of a matrix inverse); it differs from the token-by-token rule by rounding only.
+(``kernels.gdn_chunk_grid_triton``, whose docstring says how) and ``decode_step_torch`` do exactly this (the latter
+gives the kernels' bits under the interpreter given numpy's exp; torch's rounds differently). Mathematically it is
+the gated delta rule (the chunk form ``kernels.gdn.chunk_gated_delta_rule_torch`` derives, with the substitution
+instead of a matrix inverse); it differs from the token-by-token rule by rounding only.
+
+Kernels. Prefill: (1) per chunk and value head, all in parallel: ``G``, ``A`` and the substitution for ``[w | u]``
+(an open chunk continued takes its earlier rows from the buffer); (2) per sequence, value head and 32 value
+columns, chunk after chunk (the only chain: ``T / 64`` steps): ``delta``, the outputs' ``exp(G) S^T q`` term, the
+fold; (3) per chunk: the outputs. Decode: one program per (sequence, value head) computes its row ``i = pos % C``
+from ``S`` and rows ``< i``, writes it, and folds at ``i = C - 1``.
 
 State per sequence and layer (fp32): the boundary state ``S [HV, K, V]`` and the open chunk's buffer ``[HV, C,
-R]``, one row per token of the open chunk, ``R = 2K + 2V + 4``: ``[k | w | u | delta | G | 3 pad]`` (the pad keeps
-rows 16-byte aligned). The open chunk holds ``pos % C`` rows, ``pos`` the tokens seen; rows beyond are stale and
-never read. Bytes at the 9B's heads (HV 32, K = V = 128, C 64): S 2 MiB + buffer 4.03 MiB = 6.03 MiB, against
-the recurrent kernel's 2 MiB (``state_bytes``).
+R]``, one row per token of the open chunk, ``R = 2K + 2V + 4``: ``[k | w | u | delta | G | a | m | pad]`` -- ``a``
+and ``m`` are a decode step's own scratch (its ``A[i, :]`` and output weights, written and read within the step),
+the pad keeps rows 16-byte aligned. The open chunk holds ``pos % C`` rows, ``pos`` the tokens seen; rows beyond
+are stale and never read. Bytes at the 9B's heads (HV 32, K = V = 128, C 64): S 2 MiB + buffer 4.03 MiB = 6.03 MiB,
+against the recurrent kernel's 2 MiB (``state_bytes``).
 
 Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence),
 ``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
 float64 matrix form), ``decode_step_torch`` / ``prefill_torch`` (the fixed order in plain PyTorch, fp32).
 Prefill scratch: ``[chunks, HV, C, R]`` fp32 rows plus an fp32 ``[T, HV, V]`` output term (at 32K tokens of the
 9B: 2.2 GB + 0.5 GB).
+
+Not here yet: a backward (the trainer's), an engine's slot indirection (state rows are indexed by sequence), the
+fused q/k normalisation and gates of ``kernels.gdn_triton``; bits on a GPU are checked by
+``benchmarks/gdn_chunk_grid.py`` before it times (not yet run).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ def _imported_modules(path: Path) -> set[str]:
 
 def test_no_plugin_module_names_the_rl_stack() -> None:
     """Every import statement of the plugin, lazy ones inside functions included."""
-    offenders = {p.name: sorted(m for m in _imported_modules(p) if m == "titan_rl_ext.rl" or m.startswith("titan_rl_ext.rl."))
-                 for p in sorted(PLUGIN.glob("*.py"))}
+    offenders = {str(p.relative_to(PLUGIN)): sorted(m for m in _imported_modules(p) if m == "titan_rl_ext.rl" or m.startswith("titan_rl_ext.rl."))
+                 for p in sorted(PLUGIN.rglob("*.py"))}
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"the plugin imports the RL stack: {offenders}"
 
@@ -40,9 +40,9 @@ class Block(importlib.abc.MetaPathFinder):
         if name == "titan_rl_ext.rl" or name.startswith("titan_rl_ext.rl."):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-for m in {sorted("vllm_titan_plugin." + p.stem for p in PLUGIN.glob("*.py") if p.stem != "__init__")!r}:
+for m in {sorted(".".join(("vllm_titan_plugin",) + p.relative_to(PLUGIN).with_suffix("").parts) for p in PLUGIN.rglob("*.py") if p.stem != "__init__")!r}:
     importlib.import_module(m)
-import titan_rl_ext.wire.cuda_ipc, titan_rl_ext.wire.weights, titan_rl_ext.wire.protocol
+import titan_rl_ext.wire.cuda_ipc, titan_rl_ext.wire.weights, titan_rl_ext.wire.protocol, titan_rl_ext.wire.collective
 assert not any(k == "titan_rl_ext.rl" or k.startswith("titan_rl_ext.rl.") for k in sys.modules)
 print("OK")
 """

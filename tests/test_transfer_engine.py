@@ -401,7 +401,7 @@ def test_broadcast_push_reaches_both_generators_bit_exact(fleet: Fleet) -> None:
 
 
 def test_push_killed_midway_commits_nowhere(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    from titan_rl_ext.rl.transports import collective
+    from titan_rl_ext.wire import collective
 
     f = fleet
     pusher = _pusher(f)
@@ -463,7 +463,7 @@ def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch
     its port meanwhile, joins v9's group."""
     from titan_rl_ext.rl.generator_server import GeneratorServer
     from titan_rl_ext.rl.weight_sync import WeightPushError
-    from titan_rl_ext.rl.transports import collective
+    from titan_rl_ext.wire import collective
 
     f = fleet
     pusher = _pusher(f)

@@ -1,6 +1,6 @@
 """The broadcast push's pieces without servers (issue 43): packed buckets, the groups' layout, bad input.
 
-``transports.collective``'s packing must give back every tensor bit for bit (any dtype, empty and odd-sized ones) from
+``wire.collective``'s packing must give back every tensor bit for bit (any dtype, empty and odd-sized ones) from
 metadata alone; the transport's buckets and its relay topology (one lead per host, followers ranked after it);
 the engine's init and update infos refuse what they cannot use with a message naming it; and two processes'
 worth of groups on one store (the trainer's and a host's) carry a packed bucket through a lead to a follower.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from titan_rl_ext.rl.transports import collective
+from titan_rl_ext.wire import collective
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -3,7 +3,8 @@
 
 - ``protocol``: the routes, query values, headers and the SSE version field of the swap endpoint;
 - ``weights``: the safetensors framing of a push and the per-tensor checksums both sides compare;
-- ``cuda_ipc``: the JSON manifest of CUDA IPC handles for same-host pushes.
+- ``cuda_ipc``: the JSON manifest of CUDA IPC handles for same-host pushes;
+- ``collective``: the process groups and packed buckets of a broadcast push (trainer, engines and relays).
 
 A serving deployment imports these and never the RL stack.
 """

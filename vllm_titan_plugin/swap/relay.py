@@ -27,7 +27,7 @@ few hundred bytes over the same host gloo group; each follower opens the handle,
 its own staging tensor, and a barrier on the host group lets the lead reuse or free the buffer. Only
 ``make_fanout`` chooses between them, from the group's backend; the engine's receive loop does not change.
 
-The groups and the packed-bucket layout it uses are ``titan_rl_ext.rl.transports.collective``'s, shared with the
+The groups and the packed-bucket layout it uses are ``titan_rl_ext.wire.collective``'s, shared with the
 trainer's side (re-exported here for the engine).
 """
 
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from titan_rl_ext.rl.transports.collective import (  # noqa: F401 - re-exported for the engine
+from titan_rl_ext.wire.collective import (  # noqa: F401 - re-exported for the engine
     ALIGN_BYTES, BACKENDS, GLOO, NCCL, client_store, close_group, pack, packed_layout, process_group, unpack,
 )
 

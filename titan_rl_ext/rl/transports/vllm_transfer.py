@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from titan_rl_ext.rl.transports import collective, register_transport
+from titan_rl_ext.rl.transports import register_transport
 from titan_rl_ext.rl.transports.base import Link, PushResult, Staged
+from titan_rl_ext.wire import collective
 
 logger = logging.getLogger(__name__)
 

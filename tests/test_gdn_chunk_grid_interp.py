@@ -7,9 +7,10 @@ cumulative decay and the substitution rounding differently from the float64 tria
 token-by-token rule in fp32 (``kernels.gdn.recurrent_gated_delta_rule_torch``), 2e-6 likewise (two fp32 forms of
 one recurrence).
 What must hold exactly (``torch.equal``), because a trainer and a generator both compute this form: (a) a whole
-prefill == (b) token-by-token decode steps == (c) a prefill cut anywhere (chunk boundaries, mid-chunk, after one
-token) and continued, interleaved with decode steps, for outputs, boundary state, open-chunk buffer rows and the
-final state; a packed batch == each sequence alone; a decode batch at mixed positions == each sequence alone; the
+prefill == (b) decode steps (from the first token, and continuing a prefill mid-chunk, across folds) == (c) a
+prefill cut anywhere (chunk boundaries, mid-chunk, after one token) and continued, for outputs, boundary state, open-chunk buffer rows and the
+final state; a packed batch == each sequence alone; a decode batch at mixed positions == each sequence alone; both
+through an engine-style cache (sequences in arbitrary state rows, ``slots``) == without; the
 plain-PyTorch fixed-order form == the kernels given the interpreter's exp (numpy's, which rounds differently
 from torch's). Both the shipped chunk (64) and a small one (16, more chunks per sequence) run; value heads
 outnumber key heads (GQA).
@@ -134,8 +135,8 @@ def _check_one_sequence(C: int, heads: tuple[int, int, int, int], T: int, cuts: 
 
 def _check_cuts_chunk16() -> None:
     # 70 tokens: 4 chunks + 6; cut after one token, at chunk boundaries, just before / after one, mid-chunk;
-    # decode steps across a fold
-    _check_one_sequence(16, (1, 2, 16, 16), 70, [[1, 16, 50], [15, 17, 32, 69]], (13, 19))
+    # decode steps from the first token across a fold
+    _check_one_sequence(16, (1, 2, 16, 16), 70, [[1, 16, 50], [15, 17, 32, 69]], (0, 19))
 
 
 def _check_cuts_chunk64() -> None:
@@ -173,6 +174,17 @@ def _check_packed_and_decode_batch() -> None:
         o_1 = cg.decode(*(t[n:n + 1] for t in y), SCALE, *one, pos[n:n + 1])
         assert torch.equal(o_b[n:n + 1], o_1), n
         assert _equal_states((batch[0][n:n + 1], batch[1][n:n + 1]), one, (lens[n] + 1) % C), n
+    # the same through an engine-style cache: sequence n in row slots[n] of 7 (rows 2 and 4 another's)
+    slots = [5, 0, 3, 6, 1]
+    cache = cg.new_state(7, *heads[1:], chunk=C)
+    o_s, fin_s = cg.prefill(*x, cu, SCALE, *cache, slots=slots)
+    assert torch.equal(o_s, o) and torch.equal(fin_s, fin)
+    o_bs = cg.decode(*y, SCALE, *cache, pos, torch.tensor(slots, dtype=torch.int32))
+    assert torch.equal(o_bs, o_b)
+    for n, sl in enumerate(slots):
+        assert _equal_states((cache[0][sl:sl + 1], cache[1][sl:sl + 1]), (batch[0][n:n + 1], batch[1][n:n + 1]),
+                             (lens[n] + 1) % C), n
+    assert not cache[0][[2, 4]].any()  # untouched
 
 
 def _main() -> None:

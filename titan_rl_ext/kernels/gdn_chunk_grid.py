@@ -47,8 +47,8 @@ float64 matrix form), ``decode_step_torch`` / ``prefill_torch`` (the fixed order
 Prefill scratch: ``[chunks, HV, C, R]`` fp32 rows plus an fp32 ``[T, HV, V]`` output term (at 32K tokens of the
 9B: 2.2 GB + 0.5 GB).
 
-Not here yet: a backward (the trainer's), an engine's slot indirection (state rows are indexed by sequence), the
-fused q/k normalisation and gates of ``kernels.gdn_triton``; bits on a GPU are checked by
+Not here yet: a backward (the trainer's), a fresh-sequence flag for recycled slots (zero the ``S`` row instead),
+the fused q/k normalisation and gates of ``kernels.gdn_triton``; bits on a GPU are checked by
 ``benchmarks/gdn_chunk_grid.py`` before it times (not yet run).
 """
 
@@ -127,10 +127,11 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
             beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor,
-            pos: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed prompts continued from each sequence's state (``S``/``buf`` rows n, ``pos[n]`` tokens seen,
-    default 0): returns ``(o [T, HV, V] in v's dtype, final [N, HV, K, V])``, the state after each sequence's
-    last token; ``S`` and ``buf`` are advanced in place (the caller advances ``pos`` by the lengths)."""
+            pos: list[int] | None = None, slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed prompts continued from each sequence's state (``S``/``buf`` rows ``slots[n]``, default n; ``pos[n]``
+    tokens seen, default 0): returns ``(o [T, HV, V] in v's dtype, final [N, HV, K, V])``, the state after each
+    sequence's last token; ``S`` and ``buf`` are advanced in place (the caller advances ``pos`` by the lengths).
+    A sequence at ``pos`` 0 reads no buffer row but starts from its ``S`` row: zero it for a fresh sequence."""
     from titan_rl_ext.kernels.gdn_chunk_grid_triton import prefill_kernels
 
     _check(q_THK, k_THK, v_THV, g_TH, beta_TH, S, buf)
@@ -138,42 +139,50 @@ def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH:
     HV, V = v_THV.shape[1:]
     C, R = buf.shape[2:]
     pos = [0] * N if pos is None else list(pos)
-    if S.shape[0] != N or len(pos) != N:
-        raise ValueError(f"{N} sequences need {N} state rows and positions; got {S.shape[0]} and {len(pos)}")
+    slots = list(range(N)) if slots is None else list(slots)
+    if len(pos) != N or len(slots) != N or any(not 0 <= x < S.shape[0] for x in slots):
+        raise ValueError(f"{N} sequences need {N} positions and state rows in [0, {S.shape[0]}); got {pos}, {slots}")
     dev = v_THV.device
     plan = chunk_plan(cu_seqlens, pos, C)
+    plan["slot"] = slots
     o = torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev)
     if not plan["tok"]:
-        return o, S.clone()
+        return o, S[slots].clone()
     plan_t = {key: torch.tensor(val, dtype=torch.int32, device=dev) for key, val in plan.items()}
     scratch = torch.empty(len(plan["tok"]), HV, C, R, dtype=torch.float32, device=dev)
     cont = [c for c, r0 in enumerate(plan["r0"]) if r0 > 0]  # open chunks continued: their earlier rows
     if cont:
-        scratch[cont] = buf[[plan["seq"][c] for c in cont]]
-    final = torch.empty_like(S)
+        scratch[cont] = buf[[slots[plan["seq"][c]] for c in cont]]
+    final = torch.empty(N, *S.shape[1:], dtype=torch.float32, device=dev)
     qkv = [_unit_last(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
     prefill_kernels(*qkv, scale, plan_t, scratch, S, final, o, row_layout(q_THK.shape[2], V), min(BV, V), NUM_WARPS)
     lasts = [plan["first"][n + 1] - 1 for n in range(N) if plan["first"][n + 1] > plan["first"][n]]
     open_ = [c for c in lasts if plan["r1"][c] < C]  # sequences ending mid-chunk keep its rows
     if open_:
-        buf[[plan["seq"][c] for c in open_]] = scratch[open_]
+        buf[[slots[plan["seq"][c]] for c in open_]] = scratch[open_]
     return o, final
 
 
 def decode(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor, beta_BH: torch.Tensor,
-           scale: float, S: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """One token for each of B sequences (state rows b, ``pos [B]`` on the device, the tokens seen before this
-    one): returns ``o [B, HV, V]``; ``S``/``buf`` advanced in place (the caller advances ``pos`` by one)."""
+           scale: float, S: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor,
+           slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One token for each of B sequences (state rows ``slots [B]``, default b; ``pos [B]``, the tokens seen before
+    this one; both on the device): returns ``o [B, HV, V]``; ``S``/``buf`` advanced in place (the caller advances
+    ``pos`` by one). Slots must be distinct (each program writes its sequence's rows)."""
     from titan_rl_ext.kernels.gdn_chunk_grid_triton import decode_kernel
 
     _check(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, S, buf)
     B = q_BHK.shape[0]
-    if S.shape[0] != B or pos.shape != (B,):
-        raise ValueError(f"{B} tokens need {B} state rows and positions; got {S.shape[0]}, {tuple(pos.shape)}")
+    if slots is None:
+        if S.shape[0] != B:
+            raise ValueError(f"{B} tokens without slots need {B} state rows; got {S.shape[0]}")
+        slots = torch.arange(B, dtype=torch.int32, device=v_BHV.device)
+    if pos.shape != (B,) or slots.shape != (B,):
+        raise ValueError(f"{B} tokens need positions and slots [B]; got {tuple(pos.shape)}, {tuple(slots.shape)}")
     o = torch.empty(v_BHV.shape, dtype=v_BHV.dtype, device=v_BHV.device)
     if B:
         qkv = [_unit_last(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH)]
-        decode_kernel(*qkv, scale, pos, S, buf, o, row_layout(q_BHK.shape[2], v_BHV.shape[2]), NUM_WARPS)
+        decode_kernel(*qkv, scale, pos, slots, S, buf, o, row_layout(q_BHK.shape[2], v_BHV.shape[2]), NUM_WARPS)
     return o
 
 

@@ -125,7 +125,7 @@ def _subst_kernel(
 
 @triton.jit
 def _chain_kernel(
-    q_ptr, tok_ptr, r0_ptr, r1_ptr, first_ptr, scr_ptr, s_ptr, final_ptr, o32_ptr,
+    q_ptr, tok_ptr, r0_ptr, r1_ptr, first_ptr, slot_ptr, scr_ptr, s_ptr, final_ptr, o32_ptr,
     scale, sq_t, sq_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_U: tl.constexpr, OFF_D: tl.constexpr,
@@ -141,7 +141,7 @@ def _chain_kernel(
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
-    s_base = s_ptr + (n * HV + hv) * K * V
+    s_base = s_ptr + (tl.load(slot_ptr + n).to(tl.int64) * HV + hv) * K * V  # the sequence's state row
     p_S = offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(s_base + p_S)
     final = S
@@ -229,7 +229,7 @@ def _output_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, s_ptr, buf_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pos_ptr, slot_ptr, s_ptr, buf_ptr, o_ptr,
     scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WU: tl.constexpr, C: tl.constexpr,
     R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_U: tl.constexpr, OFF_D: tl.constexpr,
@@ -246,8 +246,9 @@ def _decode_kernel(
     offs_k = tl.arange(0, K)
     offs_v = tl.arange(0, V)
     offs_x = tl.arange(0, WU)
-    rows = buf_ptr + (b * HV + hv) * C * R
-    s_base = s_ptr + (b * HV + hv) * K * V
+    slot = tl.load(slot_ptr + b).to(tl.int64)  # the sequence's rows of the state cache
+    rows = buf_ptr + (slot * HV + hv) * C * R
+    s_base = s_ptr + (slot * HV + hv) * K * V
     p_q = q_ptr + b * sq_t + h * sq_h
     p_k = k_ptr + b * sk_t + h * sk_h
     beta_i = tl.load(beta_ptr + b * sb_t + hv).to(tl.float32)
@@ -335,7 +336,7 @@ def prefill_kernels(
         **_launch_opts(v.device, num_warps["subst"]),
     )
     _chain_kernel[(N, HV, V // BV)](
-        q, plan["tok"], plan["r0"], plan["r1"], plan["first"], scratch, S, final, o32,
+        q, plan["tok"], plan["r0"], plan["r1"], plan["first"], plan["slot"], scratch, S, final, o32,
         scale, q.stride(0), q.stride(1), H=H, HV=HV, K=K, V=V, BV=BV, C=C, R=R, **offs,
         **_launch_opts(v.device, num_warps["chain"]),
     )
@@ -349,7 +350,8 @@ def prefill_kernels(
 
 def decode_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    pos: torch.Tensor, S: torch.Tensor, buf: torch.Tensor, o: torch.Tensor, layout: dict[str, int],
+    pos: torch.Tensor, slots: torch.Tensor, S: torch.Tensor, buf: torch.Tensor, o: torch.Tensor,
+    layout: dict[str, int],
     num_warps: dict[str, int],
 ) -> None:
     B, H, K = q.shape
@@ -357,7 +359,7 @@ def decode_kernel(
     C, R = buf.shape[2], buf.shape[3]
     offs = {f"OFF_{n}": layout[n] for n in ("K", "W", "U", "D", "G", "A", "M")}
     _decode_kernel[(B, HV)](
-        q, k, v, g, beta, pos, S, buf, o,
+        q, k, v, g, beta, pos, slots, S, buf, o,
         scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), o.stride(0), o.stride(1),
         H=H, HV=HV, K=K, V=V, WU=triton.next_power_of_2(K + V), C=C, R=R, **offs,

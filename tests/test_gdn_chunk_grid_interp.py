@@ -13,7 +13,7 @@ final state; a packed batch == each sequence alone; a decode batch at mixed posi
 through an engine-style cache (sequences in arbitrary state rows, ``slots``) == without; the
 plain-PyTorch fixed-order form == the kernels given the interpreter's exp (numpy's, which rounds differently
 from torch's). Both the shipped chunk (64) and a small one (16, more chunks per sequence) run; value heads
-outnumber key heads (GQA).
+outnumber key heads (GQA); K < V, K > V and K = V all appear.
 
 Runs in a subprocess with ``TRITON_INTERPRET=1``. Skipped where triton is missing.
 """
@@ -66,7 +66,8 @@ def _check_values() -> None:
     from titan_rl_ext.kernels import gdn_chunk_grid as cg
     from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
 
-    heads, C = (2, 4, 16, 32), 16
+    # K 16 < V 64: [w | u] is 128 columns, the substitution's two 64-column blocks
+    heads, C = (2, 4, 16, 64), 16
     cu = [0, 37, 37, 101]  # 2 chunks + 5 tokens, an empty sequence, exactly 4 chunks
     x = _inputs(cu[-1], heads, seed=1)
     h0 = torch.randn(3, heads[1], heads[2], heads[3], generator=torch.Generator().manual_seed(2)) * 0.1
@@ -136,7 +137,7 @@ def _check_one_sequence(C: int, heads: tuple[int, int, int, int], T: int, cuts: 
 def _check_cuts_chunk16() -> None:
     # 70 tokens: 4 chunks + 6; cut after one token, at chunk boundaries, just before / after one, mid-chunk;
     # decode steps from the first token across a fold
-    _check_one_sequence(16, (1, 2, 16, 16), 70, [[1, 16, 50], [15, 17, 32, 69]], (0, 19))
+    _check_one_sequence(16, (1, 2, 32, 16), 70, [[1, 16, 50], [15, 17, 32, 69]], (0, 19))  # K 32 > V 16
 
 
 def _check_cuts_chunk64() -> None:

@@ -24,8 +24,9 @@ differences against the recurrent kernel (two fp32 forms of one recurrence on bf
 bf16 outputs, ~1e-5 on the state). State bytes per sequence and layer are printed and saved.
 
 ``--compile-only`` compiles the four kernels at the 9B's heads for ``sm_<arch>`` without a GPU and reports, per
-kernel, the PTX's fused multiply-adds (must be 0: the bits rely on no contraction) and, where a ptxas that takes
-the PTX is found (Triton's own), registers and spill bytes.
+kernel, the PTX's fused multiply-adds (must be 0: the bits rely on no contraction), its non-coherent loads (must
+be 0: a program reads back rows it wrote) and, where a ptxas that takes the PTX is found (Triton's own), registers
+and spill bytes.
 """
 
 from __future__ import annotations
@@ -210,7 +211,9 @@ def _compile_report(arch: int) -> list[dict[str, Any]]:
                               options={"num_warps": cg.NUM_WARPS[name], "enable_fp_fusion": False})
         ptx = kern.asm["ptx"]
         row: dict[str, Any] = {"kernel": name, "num_warps": cg.NUM_WARPS[name], "compile_s": time.perf_counter() - t0,
-                               "ptx_fma": len(re.findall(r"\bfma\.rn", ptx))}
+                               "ptx_fma": len(re.findall(r"\bfma\.rn", ptx)),
+                               # reads through the non-coherent path would not see this program's own writes
+                               "ptx_ld_nc": len(re.findall(r"\bld\.global\.nc", ptx))}
         path = f"/tmp/gdn_chunk_grid_{name}_{os.getpid()}.ptx"
         with open(path, "w") as f:
             f.write(ptx)
@@ -243,7 +246,7 @@ def main() -> int:
         rows = _compile_report(args.arch)
         if args.out:
             Path(args.out).write_text(json.dumps({"compile": rows}, indent=1))
-        return 0 if all(r["ptx_fma"] == 0 for r in rows) else 1
+        return 0 if all(r["ptx_fma"] == 0 and r["ptx_ld_nc"] == 0 for r in rows) else 1
     if args.smoke:  # checks and one timed call each: seconds under the interpreter
         args.warmup, args.reps, args.max_s = 0, 1, 1.0
     t0 = time.perf_counter()

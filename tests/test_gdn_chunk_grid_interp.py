@@ -5,7 +5,8 @@ What holds to a tolerance (values of order 1, a few chunks): the kernels against
 (``reference_float64``), 2e-6 -- fp32 rounding over a few chunks measures ~2e-7, with room for the sequential
 cumulative decay and the substitution rounding differently from the float64 triangular solves -- and against the
 token-by-token rule in fp32 (``kernels.gdn.recurrent_gated_delta_rule_torch``), 2e-6 likewise (two fp32 forms of
-one recurrence).
+one recurrence); the float64 definition against the float64 chunk form of ``kernels.gdn``, 1e-12 (the same
+mathematics: float64 rounding only).
 What must hold exactly (``torch.equal``), because a trainer and a generator both compute this form: (a) a whole
 prefill == (b) decode steps (from the first token, and continuing a prefill mid-chunk, across folds) == (c) a
 prefill cut anywhere (chunk boundaries, mid-chunk, after one token) and continued, for outputs, boundary state, open-chunk buffer rows and the
@@ -64,7 +65,7 @@ def _check_values() -> None:
     import torch
 
     from titan_rl_ext.kernels import gdn_chunk_grid as cg
-    from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
+    from titan_rl_ext.kernels.gdn import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch
 
     # K 16 < V 64: [w | u] is 128 columns, the substitution's two 64-column blocks
     heads, C = (2, 4, 16, 64), 16
@@ -75,6 +76,11 @@ def _check_values() -> None:
     o, fin = cg.prefill(*x, cu, SCALE, S, buf)
     o64, fin64 = cg.reference_float64(*x, cu, SCALE, h0, chunk=C)
     assert (o.double() - o64).abs().max() < TOL and (fin.double() - fin64).abs().max() < TOL
+    # the definition is the gated delta rule's chunk form: float64 against float64, rounding only
+    x64 = [t.double() for t in x]
+    o_c, fin_c = chunk_gated_delta_rule_torch(*x64, torch.tensor(cu), SCALE, h0.double(), chunk_size=C,
+                                              compute_dtype=torch.float64)
+    assert (o64 - o_c).abs().max() < 1e-12 and (fin64 - fin_c).abs().max() < 1e-12
     o_r, fin_r = recurrent_gated_delta_rule_torch(*x, torch.tensor(cu), SCALE, h0)
     assert (o - o_r).abs().max() < TOL and (fin - fin_r).abs().max() < TOL
     assert torch.equal(fin[1], h0[1]) and torch.equal(S[1], h0[1])  # the empty sequence keeps its state

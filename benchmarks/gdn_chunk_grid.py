@@ -196,7 +196,7 @@ def _compile_report(arch: int) -> list[dict[str, Any]]:
             "pos_ptr": "*i64", "g_ptr": "*fp32", "scr_ptr": "*fp32", "s_ptr": "*fp32", "final_ptr": "*fp32",
             "o32_ptr": "*fp32", "buf_ptr": "*fp32"}
     specs = [
-        ("subst", kt._subst_kernel, dict(heads, WU=WU, XB=min(WU, 64), OFF_K=L["K"], OFF_W=L["W"], OFF_G=L["G"])),
+        ("subst", kt._subst_kernel, dict(heads, WU=WU, OFF_K=L["K"], OFF_W=L["W"], OFF_G=L["G"])),
         ("chain", kt._chain_kernel, dict(heads, BV=cg.BV, **offs)),
         ("output", kt._output_kernel, dict(heads, BV=cg.BV, OFF_K=L["K"], OFF_D=L["D"], OFF_G=L["G"])),
         ("decode", kt._decode_kernel, dict(heads, WU=WU, OFF_A=L["A"], OFF_M=L["M"], **offs)),

@@ -55,14 +55,14 @@ def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, R: tl.constexpr, OFF_K: t
 
 @triton.jit
 def _subst_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, scr_ptr,
+    k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, scr_ptr, a_ptr,
     sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WU: tl.constexpr, XB: tl.constexpr,
-    C: tl.constexpr, R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_G: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, WU: tl.constexpr, C: tl.constexpr,
+    R: tl.constexpr, OFF_K: tl.constexpr, OFF_W: tl.constexpr, OFF_G: tl.constexpr,
 ):
     """Program (chunk, value head): rows ``[r0, r1)`` of the chunk's ``k, G`` and ``[w | u]`` (adjacent in a row,
-    solved together: one substitution over ``WU >= K + V`` columns, in blocks of ``XB``) into its scratch rows.
-    Rows below ``r0`` (an open chunk continued) are already there, copied from the state buffer."""
+    solved together: one substitution over ``WU >= K + V`` columns) into its scratch rows. Rows below ``r0`` (an
+    open chunk continued) are already there, copied from the state buffer. ``a_ptr``: the chunk's ``A^T``, scratch."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -71,6 +71,7 @@ def _subst_kernel(
     r1 = tl.load(r1_ptr + c)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, K)
+    offs_x = tl.arange(0, WU)  # [w | u] columns
     new = (offs_c >= r0) & (offs_c < r1)
     tok = t0 + (offs_c - r0).to(tl.int64)
     rows = scr_ptr + (c * HV + hv) * C * R
@@ -97,30 +98,41 @@ def _subst_kernel(
             kk_CC = kk_CC + col[:, None] * col[None, :]
     A_CC = tl.where(offs_c[:, None] > offs_c[None, :],
                     (beta_C[:, None] * tl.exp(G_C[:, None] - G_C[None, :])) * kk_CC, 0.0)
-    done = offs_c[:, None] < r0
-    for xb in tl.static_range(0, WU, XB):
-        offs_x = xb + tl.arange(0, XB)
-        # right-hand sides [beta exp(G) k | beta v] of the new rows; the continued rows' solved [w | u]
-        is_w = offs_x[None, :] < K
-        is_u = (offs_x[None, :] >= K) & (offs_x[None, :] < K + V)
-        k_ext = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_x[None, :], mask=new[:, None] & is_w,
-                        other=0.0)
-        v_ext = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + (offs_x[None, :] - K), mask=new[:, None] & is_u,
-                        other=0.0)
-        rhs = tl.where(is_w, (beta_C * tl.exp(G_C))[:, None] * k_ext.to(tl.float32),
-                       beta_C[:, None] * v_ext.to(tl.float32))
-        rhs = tl.where(done, tl.load(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :],
-                                     mask=done & (is_w | is_u), other=0.0), rhs)
-        # forward substitution column by column: row i's sum takes l = 0, 1, ..., i-1 in order (the decode
-        # kernel's order); a row's sum is left untouched once l reaches it, so rhs - acc is every new row's
-        # solution at the end
-        acc = tl.zeros([C, XB], dtype=tl.float32)
-        for l in range(0, r1):
-            a_C = tl.reduce(tl.where(offs_c[None, :] == l, A_CC, 0.0), 1, _ADD)  # column l of A (one-hot: exact)
-            x_l = tl.reduce(tl.where(offs_c[:, None] == l, tl.where(done, rhs, rhs - acc), 0.0), 0, _ADD)
-            acc = tl.where(offs_c[:, None] > l, acc + a_C[:, None] * x_l[None, :], acc)
-        tl.store(rows + offs_c[:, None] * R + OFF_W + offs_x[None, :], rhs - acc,
-                 mask=new[:, None] & (is_w | is_u))
+    # A transposed into scratch: the substitution loads column l of A as a contiguous row
+    a_base = a_ptr + (c * HV + hv) * C * C
+    tl.store(a_base + offs_c[None, :] * C + offs_c[:, None], A_CC)
+    tl.debug_barrier()
+    # forward substitution column by column: row i's sum takes l = 0, 1, ..., i-1 in order (the decode kernel's
+    # order); a row's sum is left untouched once l reaches it. First a continued chunk's earlier rows (solved
+    # already), then the new ones, each right-hand side [beta exp(G) k | beta v] formed as the decode kernel forms it
+    is_w = offs_x < K
+    is_v = (offs_x >= K) & (offs_x < K + V)
+    zx = offs_x * 0  # vector masks element-wise: the interpreter rejects a scalar bool & a block
+    p_x = rows + OFF_W + offs_x
+    p_a = a_base + offs_c
+    acc = tl.zeros([C, WU], dtype=tl.float32)
+    for l0 in range(0, r0, UNROLL):
+        for dl in tl.static_range(UNROLL):
+            l = l0 + dl
+            x_l = tl.load(p_x + l * R, mask=(is_w | is_v) & ((zx + l) < r0), other=0.0)
+            a_C = tl.load(p_a + l * C, mask=(offs_c * 0 + l) < r0, other=0.0)
+            acc = tl.where((offs_c[:, None] > l) & (l < r0), acc + a_C[:, None] * x_l[None, :], acc)
+    p_beta = beta_ptr + (t0 - r0) * sb_t + hv
+    p_kx = k_ptr + (t0 - r0) * sk_t + h * sk_h + offs_x
+    p_vx = v_ptr + (t0 - r0) * sv_t + hv * sv_h + (offs_x - K)
+    for l0 in range(r0, r1, UNROLL):
+        for dl in tl.static_range(UNROLL):
+            l = l0 + dl
+            live = (zx + l) < r1
+            beta_l = tl.load(p_beta + l * sb_t, mask=l < r1, other=0.0).to(tl.float32)
+            G_l = tl.load(rows + l * R + OFF_G, mask=l < r1, other=0.0)
+            k_x = tl.load(p_kx + l * sk_t, mask=live & is_w, other=0.0).to(tl.float32)
+            v_x = tl.load(p_vx + l * sv_t, mask=live & is_v, other=0.0).to(tl.float32)
+            a_C = tl.load(p_a + l * C, mask=(offs_c * 0 + l) < r1, other=0.0)
+            acc_l = tl.reduce(tl.where(offs_c[:, None] == l, acc, 0.0), 0, _ADD)  # row l (one-hot: exact)
+            x_l = tl.where(is_w, (beta_l * tl.exp(G_l)) * k_x, beta_l * v_x) - acc_l
+            tl.store(p_x + l * R, x_l, mask=live & (is_w | is_v))
+            acc = tl.where((offs_c[:, None] > l) & (l < r1), acc + a_C[:, None] * x_l[None, :], acc)
 
 
 @triton.jit
@@ -328,12 +340,12 @@ def prefill_kernels(
     C, R = scratch.shape[2], scratch.shape[3]
     offs = {f"OFF_{n}": layout[n] for n in ("K", "W", "U", "D", "G")}
     o32 = torch.empty(T, HV, V, dtype=torch.float32, device=v.device)
+    a_scr = torch.empty(n_chunks, HV, C, C, dtype=torch.float32, device=v.device)
     _subst_kernel[(n_chunks, HV)](
-        k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], scratch,
+        k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], scratch, a_scr,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        H=H, HV=HV, K=K, V=V, WU=triton.next_power_of_2(K + V), XB=min(triton.next_power_of_2(K + V), 64),
-        C=C, R=R, OFF_K=offs["OFF_K"], OFF_W=offs["OFF_W"], OFF_G=offs["OFF_G"],
-        **_launch_opts(v.device, num_warps["subst"]),
+        H=H, HV=HV, K=K, V=V, WU=triton.next_power_of_2(K + V), C=C, R=R, OFF_K=offs["OFF_K"],
+        OFF_W=offs["OFF_W"], OFF_G=offs["OFF_G"], **_launch_opts(v.device, num_warps["subst"]),
     )
     _chain_kernel[(N, HV, V // BV)](
         q, plan["tok"], plan["r0"], plan["r1"], plan["first"], plan["slot"], scratch, S, final, o32,

@@ -113,7 +113,7 @@ def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], ch
         "max_abs_o_vs_recurrent": (o_w.float() - o_r.float()).abs().max().item(),
         "max_abs_state_vs_recurrent": (fin_w - fin_r).abs().max().item(),
         "scratch_mib": (len(cg.chunk_plan([0, T], [0], chunk)["tok"]) * heads[1] * chunk
-                        * cg.row_layout(*heads[2:])["R"] + T * heads[1] * heads[3]) * 4 / 2**20,
+                        * (cg.row_layout(*heads[2:])["R"] + chunk) + T * heads[1] * heads[3]) * 4 / 2**20,
     }
     del o_w, fin_w, fin_r, part
     state = cg.new_state(1, *heads[1:], chunk, dev, s0)

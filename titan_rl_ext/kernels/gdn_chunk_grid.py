@@ -44,8 +44,8 @@ against the recurrent kernel's 2 MiB (``state_bytes``).
 Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence),
 ``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
 float64 matrix form), ``decode_step_torch`` / ``prefill_torch`` (the fixed order in plain PyTorch, fp32).
-Prefill scratch: ``[chunks, HV, C, R]`` fp32 rows plus an fp32 ``[T, HV, V]`` output term (at 32K tokens of the
-9B: 2.2 GB + 0.5 GB).
+Prefill scratch: ``[chunks, HV, C, R]`` fp32 rows, each chunk's ``A^T [C, C]`` and an fp32 ``[T, HV, V]`` output
+term (at 32K tokens of the 9B: 2.2 + 0.27 + 0.5 GB).
 
 Not here yet: a backward (the trainer's), a fresh-sequence flag for recycled slots (zero the ``S`` row instead),
 the fused q/k normalisation and gates of ``kernels.gdn_triton``; bits on a GPU are checked by

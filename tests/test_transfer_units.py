@@ -3,12 +3,15 @@
 ``wire.collective``'s packing must give back every tensor bit for bit (any dtype, empty and odd-sized ones) from
 metadata alone; the transport's buckets and its relay topology (one lead per host, followers ranked after it);
 the engine's init and update infos refuse what they cannot use with a message naming it; and two processes'
-worth of groups on one store (the trainer's and a host's) carry a packed bucket through a lead to a follower.
+worth of groups on one store (the trainer's and a host's) carry a packed bucket through a lead to a follower;
+``--rl.weight_transport_options`` is refused at the trainer's start when wrong and reaches the transport when right.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -140,3 +143,40 @@ def test_lead_relays_a_packed_bucket_to_its_follower_on_one_store() -> None:
         assert all(torch.equal(a, b) for a, b in zip(got[who], ts)), who
     with pytest.raises(ValueError, match="backend"):
         collective.process_group(store, "x", 0, 1, "mpi", 1)
+
+
+def test_transport_options_are_checked_at_start_up_and_reach_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--rl.weight_transport_options``: a bad key or value stops the trainer in ``__init__`` (before any model is
+    built), naming it; good ones reach the ``titan_gloo`` transport the generator link builds (no server)."""
+    from titan_rl_ext.rl.config import RLConfig
+    from titan_rl_ext.rl.generator_link import GeneratorLink
+    from titan_rl_ext.rl.trainer import RLTrainer
+
+    for transport, options, match in [
+        ("titan_gloo", '{"prot": 29600}', r"unknown transport options \['prot'\]"),
+        ("titan_gloo", '{"port": 70000}', "'port' must be an integer in"),
+        ("titan_gloo", '{"port": true}', "'port' must be an integer in"),
+        ("titan_gloo_relay", '{"engine_backend": "mpi"}', "'engine_backend' must be one of"),
+        ("titan_gloo", '{"address": ""}', "'address' must be a host"),
+        ("titan_gloo", '{"timeout_s": 0}', "'timeout_s' must be"),
+        ("titan_gloo", '[1]', "must be a JSON object"),
+        ("titan_gloo", '{port: 1}', "is not JSON"),
+        ("safetensors", '{"port": 1}', "'safetensors' takes no options"),
+        ("gloo", '{}', "unknown weight transport 'gloo'"),
+    ]:
+        rl = RLConfig(model_dir="unused", generator_urls=["http://127.0.0.1:1"], weight_transport=transport,
+                      weight_transport_options=options)
+        with pytest.raises(ValueError, match=match):
+            RLTrainer(RLTrainer.Config(rl=rl))
+
+    monkeypatch.setenv("TITAN_TEST_SWAP_TOKEN", "t")
+    monkeypatch.setattr(GeneratorLink, "server_info", staticmethod(lambda url: {"version": 0, "boot_id": "b"}))
+    monkeypatch.setattr(GeneratorLink, "set_batch_invariant", lambda self, enabled: None)
+    rl = RLConfig(model_dir="unused", generator_urls=["http://10.1.2.3:8000"], swap_token_env="TITAN_TEST_SWAP_TOKEN",
+                  weight_transport="titan_gloo_relay", weight_transport_options=json.dumps(
+                      {"address": "10.0.0.5", "port": 29600, "engine_backend": "titan_nccl", "timeout_s": 7}))
+    link = GeneratorLink(rl, Path("unused"))
+    assert link.connect(False) == {"http://10.1.2.3:8000": (0, "b")}
+    t = link.pusher.transport  # type: ignore[union-attr]
+    assert type(t).__name__ == "TitanGlooRelayTransport"
+    assert (t.address, t.port, t.backend, t.timeout_s, t.bucket_bytes) == ("10.0.0.5", 29600, "nccl", 7.0, 256 << 20)

@@ -91,8 +91,17 @@ class RLConfig:
     push_every: int = 1
     push_mode: str = "keep"
     weight_transport: str = "safetensors"
-    """``safetensors`` (bytes over HTTP: CPU, GPU, across hosts) or ``cuda_ipc`` (generators on this host that
-    see the trainer's GPU open CUDA IPC handles and copy device to device)."""
+    """``safetensors`` (bytes over HTTP: CPU, GPU, across hosts), ``cuda_ipc`` (generators on this host that
+    see the trainer's GPU open CUDA IPC handles and copy device to device), or ``titan_gloo`` /
+    ``titan_gloo_relay`` (a broadcast through vLLM's weight-transfer calls; docs/transfer_engines.md)."""
+    weight_transport_options: str = "{}"
+    """JSON object: the transport's own settings, checked at start-up (an unknown key or a bad value stops the run
+    there, named). ``titan_gloo``/``titan_gloo_relay``: ``address`` and ``port`` of the trainer's rendezvous store
+    (where the generators dial it; default: this host's address on the route to them, an ephemeral port),
+    ``engine_backend`` (``titan_gloo``: a gloo group, CPU tensors; ``titan_nccl``: NCCL from the trainer's GPU --
+    the servers' ``--weight-transfer-config`` backend must be the same), ``bucket_bytes``, ``timeout_s``; e.g.
+    ``--rl.weight_transport_options '{"address": "10.0.0.5", "port": 29600, "engine_backend": "titan_nccl"}'``.
+    ``safetensors`` and ``cuda_ipc`` take none."""
     batch_invariant_steps: int = 0
     """Batch-invariant kernels for N steps from ``batch_invariant_from`` (see the module docstring)."""
     batch_invariant_from: int = 1
@@ -158,6 +167,24 @@ class RLConfig:
 
         return LoRAConfig(rank=self.lora_rank, alpha=float(self.lora_alpha), targets=tuple(self.lora_targets),
                           dropout=float(self.lora_dropout))
+
+    def transport_options(self) -> dict[str, Any]:
+        """``weight_transport_options`` parsed and checked by ``weight_transport`` (defaults filled in);
+        ``ValueError`` naming the bad JSON, key or value, or an unknown transport."""
+        import json
+
+        from titan_rl_ext.rl.transports import check_transport_options
+
+        try:
+            options = json.loads(self.weight_transport_options or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"rl.weight_transport_options is not JSON ({e}): {self.weight_transport_options!r}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"rl.weight_transport_options must be a JSON object, got {self.weight_transport_options!r}")
+        try:
+            return check_transport_options(self.weight_transport, options)
+        except ValueError as e:
+            raise ValueError(f"rl.weight_transport_options: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

@@ -75,7 +75,8 @@ class GeneratorLink:
             urls.append(self.server.base)
         if not token:
             raise ValueError(f"set {self.rl.swap_token_env} to the generators' swap token")
-        self.pusher = WeightPusher(urls, token, transport=self.rl.weight_transport)
+        self.pusher = WeightPusher(urls, token, transport=self.rl.weight_transport,
+                                   transport_options=self.rl.transport_options())
         self.fleet = GeneratorFleet(self.pusher)
         self.set_batch_invariant(batch_invariant)
         logging.getLogger("httpx").setLevel(logging.WARNING)

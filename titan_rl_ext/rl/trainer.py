@@ -159,6 +159,7 @@ class RLTrainer(Trainer):
         if rl.loss_chunk_tokens < 0:
             raise ValueError(f"rl.loss_chunk_tokens must be >= 0 (0: one pass), got {rl.loss_chunk_tokens}")
         task = task_named(rl.task)  # an unknown name fails here, before any model is built
+        rl.transport_options()  # so does an unknown transport or a bad option (not the first push, minutes later)
         self._lora = self._setup_lora(config)  # a config the kernels cannot serve exactly fails here
         super().__init__(config)
         self.rl_task = task

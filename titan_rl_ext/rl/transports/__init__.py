@@ -5,11 +5,17 @@ A transport is one module of this package: a class that meets ``base.WeightTrans
 it. Nothing else names it: the first lookup imports every module here, and the pusher finds it by that
 name. A transport defined elsewhere (a test's) registers the same way and is found once its module is
 imported.
+
+A transport with settings of its own (``--rl.weight_transport_options``, ``WeightPusher(transport_options=...)``)
+gives its class a ``check_options(options) -> dict`` that refuses a bad key or value (``ValueError`` naming it)
+and returns them normalised; the trainer calls it at start-up (``check_transport_options``), before any model is
+built, so a typo stops the run there and not at the first push. A transport without one takes no options.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from titan_rl_ext.rl.registry import Registry
 from titan_rl_ext.rl.transports.base import Link, WeightTransport
@@ -30,5 +36,17 @@ def make_transport(name: str, link: Link) -> WeightTransport:
     return TRANSPORT_REGISTRY.get(name)(link)
 
 
-__all__ = ["TRANSPORT_REGISTRY", "Link", "WeightTransport", "make_transport", "register_transport",
-           "transport_names"]
+def check_transport_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` for the transport registered as ``name``, checked without building it (no store opened, no
+    generator called): ``ValueError`` naming an unknown transport, a key it does not take or a bad value."""
+    factory = TRANSPORT_REGISTRY.get(name)
+    check: Callable[[Mapping[str, Any]], dict[str, Any]] | None = getattr(factory, "check_options", None)
+    if check is not None:
+        return check(options)
+    if options:
+        raise ValueError(f"weight transport {name!r} takes no options, got {sorted(options)}")
+    return {}
+
+
+__all__ = ["TRANSPORT_REGISTRY", "Link", "WeightTransport", "check_transport_options", "make_transport",
+           "register_transport", "transport_names"]

@@ -58,6 +58,7 @@ RELAY_NAME = "titan_gloo_relay"
 ENGINE_BACKENDS = {"titan_gloo": "gloo", "titan_nccl": "nccl"}  # server engine -> the group's torch backend
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TIMEOUT_S = 60.0
+OPTION_KEYS = ("address", "port", "bucket_bytes", "timeout_s", "engine_backend")
 INIT, START, UPDATE, FINISH = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                                "/finish_weight_update")
 
@@ -133,20 +134,12 @@ class VllmTransferTransport:
             if not callable(getattr(link, need, None)):
                 raise TypeError(f"{type(self).__name__} needs a link with {need}() (a WeightPusher)")
         self.link: Any = link
-        opts: Mapping[str, Any] = getattr(link, "transport_options", None) or {}
-        unknown = sorted(set(opts) - {"address", "port", "bucket_bytes", "timeout_s", "engine_backend"})
-        if unknown:
-            raise ValueError(f"unknown transport options {unknown}")
-        self.address: str | None = opts.get("address")
-        self.port = int(opts.get("port", 0))
-        self.bucket_bytes = int(opts.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
-        self.timeout_s = float(opts.get("timeout_s", DEFAULT_TIMEOUT_S))
-        engine_backend = opts.get("engine_backend", "titan_gloo")
-        if engine_backend not in ENGINE_BACKENDS:
-            raise ValueError(f"engine_backend must be one of {sorted(ENGINE_BACKENDS)}, got {engine_backend!r}")
-        if self.bucket_bytes < 1 or not 0 < self.timeout_s <= 3600 or not 0 <= self.port < 65536:
-            raise ValueError("bucket_bytes must be >= 1, timeout_s in (0, 3600], port in [0, 65536)")
-        self.backend = ENGINE_BACKENDS[engine_backend]
+        opts = self.check_options(getattr(link, "transport_options", None) or {})
+        self.address: str | None = opts["address"]
+        self.port: int = opts["port"]
+        self.bucket_bytes: int = opts["bucket_bytes"]
+        self.timeout_s: float = opts["timeout_s"]
+        self.backend = ENGINE_BACKENDS[opts["engine_backend"]]
         self._run = secrets.token_hex(4)  # key prefixes of this trainer's groups on its store
         self._builds = 0
         self._store: Any = None
@@ -155,6 +148,40 @@ class VllmTransferTransport:
         self._building: dict[str, str] = {}
         self._opened: list[str] = []  # members with an update session opened by the push in progress
         self._lock = threading.Lock()  # one push at a time: the group carries one version's bytes
+
+    @staticmethod
+    def check_options(opts: Mapping[str, Any]) -> dict[str, Any]:
+        """The options (module docstring) checked and with their defaults filled in; ``ValueError`` naming the
+        key and the value refused. Static: the trainer checks ``--rl.weight_transport_options`` at start-up
+        with it, long before a transport exists (``transports.check_transport_options``)."""
+        if not isinstance(opts, Mapping):
+            raise ValueError(f"{NAME} options must be a JSON object, got {type(opts).__name__}")
+        if unknown := sorted(set(opts) - set(OPTION_KEYS)):
+            raise ValueError(f"{NAME}: unknown transport options {unknown}; it takes {list(OPTION_KEYS)}")
+
+        def bad(key: str, want: str) -> ValueError:
+            return ValueError(f"{NAME} transport option {key!r} must be {want}, got {opts[key]!r}")
+
+        def integer(key: str, default: int, lo: int, hi: int | None, want: str) -> int:
+            v = opts.get(key, default)
+            # JSON true is an int to Python: refused, as a port or a size of True is a mistake
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                raise bad(key, want)
+            return v
+
+        address = opts.get("address")
+        if address is not None and (not isinstance(address, str) or not address.strip()):
+            raise bad("address", "a host name or IP address the generators can reach")
+        timeout = opts.get("timeout_s", DEFAULT_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise bad("timeout_s", "a number of seconds in (0, 3600]")
+        engine_backend = opts.get("engine_backend", "titan_gloo")
+        if engine_backend not in ENGINE_BACKENDS:
+            raise bad("engine_backend", f"one of {sorted(ENGINE_BACKENDS)} (the servers' --weight-transfer-config "
+                                        f"backend)")
+        return {"address": address, "port": integer("port", 0, 0, 65535, "an integer in [0, 65535] (0: ephemeral)"),
+                "bucket_bytes": integer("bucket_bytes", DEFAULT_BUCKET_BYTES, 1, None, "an integer >= 1"),
+                "timeout_s": float(timeout), "engine_backend": engine_backend}
 
     # -- the WeightTransport protocol (``WeightPusher.push_each`` calls ``push_all`` instead) ---------------
     def stage(self, state_dict: Mapping[str, torch.Tensor]) -> Staged:

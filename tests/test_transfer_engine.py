@@ -392,10 +392,17 @@ def test_broadcast_push_reaches_both_generators_bit_exact(fleet: Fleet) -> None:
         for url in f.urls:
             _assert_serves(f, pusher, url, 3)
             assert _differing(f, url, 3) == 0
-        pusher.push(_weights(f, 4), 4)  # the group built for v3 carries v4 (no second init)
+        # the group built for v3 carries v4 (no second init); v4 commits preempting in-flight requests, paused
+        pusher.pause = True
+        answers = pusher.push(_weights(f, 4), 4, mode="recompute")
+        assert [a["mode"] for a in answers] == ["recompute", "recompute"], answers
         assert pusher.transport._builds == 1
         for url in f.urls:
             _assert_serves(f, pusher, url, 4)
+        for s in f.servers:  # what each server did with the finish's query
+            log = s.log_path.read_text()
+            assert "v3 committed from a titan_gloo transfer" in log and "(mode=keep," in log, s.log_path
+            assert "v4 committed from a titan_gloo transfer" in log and "(mode=recompute, paused," in log, s.log_path
     finally:
         pusher.transport.close()
 
@@ -436,8 +443,8 @@ def test_generator_refusing_mid_transfer_is_left_out(fleet: Fleet, monkeypatch: 
     pusher = _pusher(f)
     real, seen = pusher.dev_post, []
 
-    def refusing(url: str, path: str, body: Any = None, boot: str | None = None) -> Any:
-        answer = real(url, path, body, boot)
+    def refusing(url: str, path: str, body: Any = None, boot: str | None = None, params: Any = None) -> Any:
+        answer = real(url, path, body, boot, params)
         if url == f.urls[1] and path == "/update_weights":
             seen.append(path)
             if len(seen) == 2:  # received, but the server says no (a worker error, say)

@@ -180,3 +180,82 @@ def test_transport_options_are_checked_at_start_up_and_reach_the_transport(monke
     t = link.pusher.transport  # type: ignore[union-attr]
     assert type(t).__name__ == "TitanGlooRelayTransport"
     assert (t.address, t.port, t.backend, t.timeout_s, t.bucket_bytes) == ("10.0.0.5", 29600, "nccl", 7.0, 256 << 20)
+
+
+def test_finish_query_carries_the_commit_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit's mode: our transport puts the push's ``mode``/``pause`` on each finish's (signed) query;
+    the server's ``FinishQuery`` middleware hands that query to the wrapped finish, whose commit runs
+    ``locked_swap`` with it; a bad mode or an unknown key is refused (400) before any swap, and the workers'
+    update session is closed either way."""
+    pytest.importorskip("vllm")
+    import asyncio
+
+    from titan_rl_ext.rl.transports import make_transport
+    from vllm_titan_plugin.swap import transfer_commit
+    from vllm_titan_plugin.swap.orchestrator import SwapDone
+    from vllm_titan_plugin.swap.validate import PushRejected
+
+    # the trainer's side: the finish carries the push's mode and pause, nothing else does
+    class Link:
+        transport_options: dict[str, Any] = {}
+        calls: list[tuple[str, Any]] = []
+
+        def dev_post(self, url: str, path: str, body: Any = None, boot: Any = None, params: Any = None) -> Any:
+            self.calls.append((path, params))
+            return {"url": url, "ok": True, "status": 200, "response": {}}
+
+        def boot_id(self, url: str) -> str:
+            return "b"
+
+    link = Link()
+    t = make_transport("titan_gloo", link)  # type: ignore[arg-type]
+    results: dict[str, Any] = {}
+    t._finish(["http://h:1"], {"http://h:1": "b"}, 7, 1, 8, {}, results, {"mode": "recompute", "pause": "1"})
+    assert link.calls == [("/finish_weight_update", {"mode": "recompute", "pause": "1"})]
+    assert results["http://h:1"]["response"]["mode"] == "recompute"
+
+    # the server's side
+    assert transfer_commit.parse_mode(None) == (True, False)  # a foreign trainer's finish: keep, no pause
+    assert transfer_commit.parse_mode({"mode": "recompute", "pause": "1"}) == (False, True)
+    for query, match in [({"mode": "recomp"}, "mode must be one of"), ({"pause": "yes"}, "'pause' must be 0 or 1"),
+                         ({"mdoe": "recompute"}, r"got \['mdoe'\]")]:
+        with pytest.raises(PushRejected, match=match) as e:
+            transfer_commit.parse_mode(query)
+        assert e.value.status == 400
+
+    swaps: list[tuple[int, bool, bool]] = []
+
+    async def fake_swap(state: Any, method: str, arg: Any, version: int, keep_cache: bool, pause: bool = False,
+                        partial: bool = False) -> SwapDone:
+        swaps.append((version, keep_cache, pause))
+        return SwapDone(0.0, 0.0, 0, 0)
+
+    class State:
+        async def on_engine_loop(self, coro: Any) -> Any:
+            return await coro
+
+    class Engine:
+        closed = 0
+
+        async def collective_rpc(self, method: str) -> None:
+            assert method == "finish_weight_update"
+            self.closed += 1
+
+    monkeypatch.setattr(transfer_commit, "locked_swap", fake_swap)
+    engine = Engine()
+    seen: list[Any] = []
+
+    async def route(scope: Any, receive: Any, send: Any) -> None:  # stands in for vLLM's route
+        seen.append(transfer_commit._FINISH_QUERY.get())
+        if scope["path"] == "/finish_weight_update":
+            await transfer_commit.commit(engine, State(), "9", transfer_commit._FINISH_QUERY.get())  # type: ignore
+
+    app = transfer_commit.FinishQuery(route)
+    scope = {"type": "http", "path": "/finish_weight_update", "query_string": b"mode=recompute&pause=1"}
+    asyncio.run(app(scope, None, None))
+    asyncio.run(app({**scope, "path": "/other", "query_string": b"mode=recompute"}, None, None))
+    assert seen == [{"mode": "recompute", "pause": "1"}, None]  # only the finish route's query is passed down
+    assert swaps == [(9, False, True)] and engine.closed == 1
+    with pytest.raises(PushRejected, match="mode must be one of"):
+        asyncio.run(app({**scope, "query_string": b"mode=fast"}, None, None))
+    assert swaps == [(9, False, True)] and engine.closed == 2  # refused before the swap, session closed

@@ -172,15 +172,18 @@ class WeightPusher:
         """The boot id the server at ``url`` answers with now; None when it cannot be reached."""
         return self._boot_at(url)
 
-    def dev_post(self, url: str, path: str, body: Mapping[str, Any] | None = None, boot: str | None = None) -> PushResult:
+    def dev_post(self, url: str, path: str, body: Mapping[str, Any] | None = None, boot: str | None = None,
+                 params: Mapping[str, str] | None = None) -> PushResult:
         """POST a JSON ``body`` to one of vLLM's dev routes (``/update_weights`` ...) on the server's OpenAI
-        port, signed for its boot (``boot``, asked when not given) like a push (the routes are behind the push
-        token there); the answer as a ``PushResult``, never raised."""
+        port, with the query ``params`` (``/finish_weight_update``: the commit's mode), signed for its boot
+        (``boot``, asked when not given) like a push (the routes are behind the push token there); the answer as
+        a ``PushResult``, never raised."""
         import requests
 
+        params = dict(params or {})
         try:
-            headers = self._signed(url, "POST", path, {}, boot, content_type="application/json")
-            r = requests.post(f"{url}{path}", json=body, headers=headers, timeout=self.timeout_s)
+            headers = self._signed(url, "POST", path, params, boot, content_type="application/json")
+            r = requests.post(f"{url}{path}", params=params, json=body, headers=headers, timeout=self.timeout_s)
         except (requests.RequestException, WeightPushError) as e:
             return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
         if r.status_code == 200:

@@ -66,6 +66,10 @@ def _attach(app: Any, args: Any = None) -> Any:
     app.state.titan_swap = state
     app.include_router(make_router(state))
     compat.add_asgi_middleware(app, tagging.WeightVersionMiddleware, state=state)
+    from vllm_titan_plugin.swap.transfer_commit import FinishQuery
+
+    # a transfer's commit mode rides on /finish_weight_update's query, which vLLM's route does not pass on
+    compat.add_asgi_middleware(app, FinishQuery)
     if dev_paths := compat.dev_mode_paths():
         from vllm_titan_plugin.swap.guard import DevRoutesGuard
 

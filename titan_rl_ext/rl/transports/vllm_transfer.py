@@ -9,7 +9,9 @@ every other call that changes a server (``WeightPusher.dev_post``):
   under a fresh key prefix (``collective.process_group``), so a rebuild needs no new port;
 - per version ``/start_weight_update``, one ``/update_weights`` per bucket (names, dtypes, shapes; the bucket's
   bytes go by one broadcast from rank 0 while the call runs), then ``/finish_weight_update`` with the version,
-  which commits through the server's ``locked_swap`` (all-or-none, version tags, re-salted prefix cache).
+  which commits through the server's ``locked_swap`` (all-or-none, version tags, re-salted prefix cache) in the
+  push's mode: ``?mode=keep|recompute&pause=0|1`` on the finish, as on the HTTP push route
+  (``vllm_titan_plugin.swap.transfer_commit``).
 
 All-or-none as on the HTTP path: a generator changes weights only at its finish; a push that fails before
 the finishes (a generator dies mid-broadcast, the trainer raises) commits nowhere, and every generator keeps
@@ -220,12 +222,14 @@ class VllmTransferTransport:
         """Push one version to every generator of ``urls``; one ``PushResult`` each, in ``urls`` order.
         Raises only what the caller's state dict raises (after closing the group: nothing is committed)."""
         version = int(params["version"])
+        # the commit's mode rides on each finish's query (the server reads it as the HTTP push route does)
+        commit_query = {k: params[k] for k in ("mode", "pause") if k in params}
         with self._lock:
             results: dict[str, PushResult] = {}
             self._opened = []
             try:
                 buckets = self.buckets(state_dict)
-                self._push(list(urls), buckets, version, results)
+                self._push(list(urls), buckets, version, results, commit_query)
             except BaseException:
                 self._close()  # the generators' receives fail now; none of them commits
                 if self._opened:
@@ -239,7 +243,8 @@ class VllmTransferTransport:
             ordered.append(r)
         return ordered
 
-    def _push(self, urls: list[str], buckets: list[Bucket], version: int, results: dict[str, PushResult]) -> None:
+    def _push(self, urls: list[str], buckets: list[Bucket], version: int, results: dict[str, PushResult],
+              commit_query: Mapping[str, str] | None = None) -> None:
         nbytes = sum(b.nbytes for b in buckets)
         for attempt in range(2):
             boots = self._boots(urls)
@@ -273,7 +278,7 @@ class VllmTransferTransport:
                     results[u] = {"url": u, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
                 return
             timing = {"init_seconds": t1 - t0, "transfer_seconds": time.perf_counter() - t1}
-            self._finish(live, boots, version, len(buckets), nbytes, timing, results)
+            self._finish(live, boots, version, len(buckets), nbytes, timing, results, commit_query)
             return
 
     def _boots(self, urls: Sequence[str]) -> dict[str, str | None]:
@@ -319,12 +324,14 @@ class VllmTransferTransport:
         self._group, self._topology = group, topo
         self._check(got, INIT)
 
-    def _call_all(self, path: str, bodies: Mapping[str, dict[str, Any] | None]) -> Callable[[], dict[str, PushResult]]:
+    def _call_all(self, path: str, bodies: Mapping[str, dict[str, Any] | None],
+                  params: Mapping[str, str] | None = None) -> Callable[[], dict[str, PushResult]]:
         """POST ``path`` to every generator at once, in threads (the calls that receive block until the
         broadcast is over, so they run beside it); the returned callable waits for every answer."""
         pool = ThreadPoolExecutor(max_workers=max(1, len(bodies)))
         boots = self._topology.boots if self._topology is not None else self._building
-        futures = {u: pool.submit(self.link.dev_post, u, path, body, boots.get(u)) for u, body in bodies.items()}
+        futures = {u: pool.submit(self.link.dev_post, u, path, body, boots.get(u), params)
+                   for u, body in bodies.items()}
         pool.shutdown(wait=False)
 
         def answers() -> dict[str, PushResult]:
@@ -370,14 +377,17 @@ class VllmTransferTransport:
             self._check(got, UPDATE)
 
     def _finish(self, live: list[str], boots: Mapping[str, str | None], version: int, buckets: int, nbytes: int,
-                timing: dict[str, float], results: dict[str, PushResult]) -> None:
-        """Every member commits (or refuses) on its own: one member's refusal does not undo another's."""
+                timing: dict[str, float], results: dict[str, PushResult],
+                commit_query: Mapping[str, str] | None = None) -> None:
+        """Every member commits (or refuses) on its own, in ``commit_query``'s mode: one member's refusal does not
+        undo another's."""
         t0 = time.perf_counter()
-        got = self._call_all(FINISH, {u: {"weight_version": str(version)} for u in live})()
+        got = self._call_all(FINISH, {u: {"weight_version": str(version)} for u in live}, commit_query)()
         timing["finish_seconds"] = time.perf_counter() - t0  # the slowest member's commit
         for u, r in got.items():
             if r["ok"]:
                 r["response"] = {"version": version, "boot_id": boots[u], "transport": self.name,
+                                 "mode": (commit_query or {}).get("mode", "keep"),
                                  "num_buckets": buckets, "bytes": nbytes, **timing}
             results[u] = r
 

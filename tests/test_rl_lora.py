@@ -213,7 +213,7 @@ def test_refused_at_start_up() -> None:
     """Configs the kernels cannot serve exactly stop the trainer before any model is built, naming why."""
     from titan_rl_ext.models.common.lora import LoRAConfigError, lora_from_hf_config
     from titan_rl_ext.rl.config import RLConfig
-    from titan_rl_ext.rl.trainer import _with_hf_override
+    from titan_rl_ext.rl.lora_run import with_hf_override
 
     with pytest.raises(LoRAConfigError, match="dropout"):
         RLConfig(lora_rank=4, lora_dropout=0.05).lora()
@@ -230,18 +230,18 @@ def test_refused_at_start_up() -> None:
     cfg = RLConfig(lora_rank=4, lora_alpha=8.0, lora_targets=["q_proj"]).lora()
     assert lora_from_hf_config({"titan_lora": cfg.to_hf()}) == cfg
     # a spawned server's --hf-overrides gains the key, keeping what a recipe already put there
-    args = _with_hf_override(["--hf-overrides", '{"a": 1}', "--seed", "0"], "titan_lora", cfg.to_hf())
+    args = with_hf_override(["--hf-overrides", '{"a": 1}', "--seed", "0"], "titan_lora", cfg.to_hf())
     assert json.loads(args[1]) == {"a": 1, "titan_lora": cfg.to_hf()} and args[2:] == ["--seed", "0"]
-    assert json.loads(_with_hf_override([], "k", 1)[1]) == {"k": 1}
+    assert json.loads(with_hf_override([], "k", 1)[1]) == {"k": 1}
 
 
 def test_trainer_setup_builds_the_adapters_into_model_and_server_or_refuses() -> None:
     from titan_rl_ext.configs import rl_lora_toy, rl_tiny_cpu
     from titan_rl_ext.models.common.lora import HF_CONFIG_KEY
-    from titan_rl_ext.rl.trainer import RLTrainer
+    from titan_rl_ext.rl.lora_run import setup_lora
 
     cfg = rl_lora_toy()
-    lora = RLTrainer._setup_lora(cfg)
+    lora = setup_lora(cfg)
     assert lora == cfg.rl.lora() and cfg.model_spec.model.arch.lora == lora
     args = cfg.rl.server_args  # the spawned generator gets the same adapters
     assert json.loads(args[args.index("--hf-overrides") + 1]) == {HF_CONFIG_KEY: lora.to_hf()}
@@ -251,9 +251,9 @@ def test_trainer_setup_builds_the_adapters_into_model_and_server_or_refuses() ->
         for k, v in change.items():
             setattr(bad.rl, k, v)
         with pytest.raises(ValueError, match=needle):
-            RLTrainer._setup_lora(bad)
+            setup_lora(bad)
     plain = rl_tiny_cpu()
-    assert RLTrainer._setup_lora(plain) is None and plain.model_spec.model.arch.lora is None
+    assert setup_lora(plain) is None and plain.model_spec.model.arch.lora is None
     plain.rl.export_adapter_dir = "/tmp/x"
     with pytest.raises(ValueError, match="needs a LoRA run"):
-        RLTrainer._setup_lora(plain)
+        setup_lora(plain)

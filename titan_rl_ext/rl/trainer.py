@@ -48,7 +48,8 @@ the optimizer holds the adapters alone (torchtitan builds it from the trainable 
 trainable parameters alike). A spawned generator is started with the same adapters (``--hf-overrides``: the titan
 model's ``titan_lora`` setting), running generators must already serve them, and the base weights they serve must be
 the trainer's (checked by checksum at start-up: an adapter-only run never pushes a base). Every push is the adapter
-set alone, which the server takes all or none (``vllm_titan_plugin.swap.validate.push_spec``).
+set alone, which the server takes all or none (``vllm_titan_plugin.swap.validate.push_spec``). Each of these steps
+is a function of ``rl/lora_run.py``, which the trainer calls at the matching point.
 
 Data parallelism (more than one rank): rank 0 generates, broadcasts the batch, every rank trains on
 its share of the groups, the loss is normalised by the all-reduced token count, and rank 0 pushes
@@ -70,7 +71,7 @@ import torch
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from titan_rl_ext.rl import cli
+from titan_rl_ext.rl import cli, lora_run
 from titan_rl_ext.rl.config import RLConfig
 from titan_rl_ext.rl.generator_link import GeneratorLink
 from titan_rl_ext.rl.phase_timer import PhaseTimer
@@ -123,21 +124,6 @@ def _served_state_dict(model: torch.nn.Module, compute: torch.dtype | None) -> d
     return compute_view(_full_state_dict(model), compute, fp32_param_names(model))
 
 
-def _with_hf_override(args: list[str], key: str, value: Any) -> list[str]:
-    """``args`` (vLLM server arguments) with ``key: value`` in their ``--hf-overrides`` JSON (added if absent)."""
-    import json
-
-    out = list(args)
-    for i, a in enumerate(out):
-        if a == "--hf-overrides" and i + 1 < len(out):
-            out[i + 1] = json.dumps({**json.loads(out[i + 1]), key: value})
-            return out
-        if a.startswith("--hf-overrides="):
-            out[i] = "--hf-overrides=" + json.dumps({**json.loads(a.partition("=")[2]), key: value})
-            return out
-    return [*out, "--hf-overrides", json.dumps({key: value})]
-
-
 class RLTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -160,7 +146,7 @@ class RLTrainer(Trainer):
             raise ValueError(f"rl.loss_chunk_tokens must be >= 0 (0: one pass), got {rl.loss_chunk_tokens}")
         task = task_named(rl.task)  # an unknown name fails here, before any model is built
         rl.transport_options()  # so does an unknown transport or a bad option (not the first push, minutes later)
-        self._lora = self._setup_lora(config)  # a config the kernels cannot serve exactly fails here
+        self._lora = lora_run.setup_lora(config)  # a config the kernels cannot serve exactly fails here
         super().__init__(config)
         self.rl_task = task
         self.rl_version = 0
@@ -177,9 +163,7 @@ class RLTrainer(Trainer):
         is pushed to the generators, who must serve it (``--dtype``)."""
         self._load_hf_weights(rl.model_dir)
         if self._lora is not None:
-            trainable = [(n, p) for n, p in self.model_parts[0].named_parameters() if p.requires_grad]
-            logger.info("RL: LoRA %s: %d adapter tensors (%.2f M parameters) train, the base is frozen", self._lora,
-                        len(trainable), sum(p.numel() for _, p in trainable) / 1e6)
+            lora_run.log_trainable(self._lora, self.model_parts[0])
         self._link: GeneratorLink | None = None  # rank 0: the generators (spawned server, pusher, fleet)
         self._service: RolloutService | None = None
         self._t_prev_end: float | None = None  # the last step's end (perf/trainer/tokens_per_second_full_step)
@@ -201,32 +185,6 @@ class RLTrainer(Trainer):
         self.prompt_cursor = PromptCursor.from_json(state_dict[RL_PROMPTS_KEY])
 
     # -- set-up --------------------------------------------------------------------------------
-    @staticmethod
-    def _setup_lora(config: Config) -> Any:
-        """The run's ``LoRAConfig`` (None: full fine-tuning), put into the model config the trainer builds and into a
-        spawned generator's arguments. Refuses what could not run exactly or at all, naming why."""
-        import dataclasses
-
-        from titan_rl_ext.models.common.lora import HF_CONFIG_KEY
-
-        rl = config.rl
-        lora = rl.lora()  # LoRAConfigError: dropout, rank, unknown targets
-        if lora is None:
-            if rl.export_adapter_dir:
-                raise ValueError("rl.export_adapter_dir needs a LoRA run (rl.lora_rank > 0)")
-            return None
-        if rl.server_model_impl != "titan":
-            raise ValueError(f"LoRA needs generators running --model-impl titan (the adapters are titan modules); "
-                             f"rl.server_model_impl is {rl.server_model_impl!r}")
-        if rl.export_hf_dir:
-            raise ValueError("rl.export_hf_dir writes a full checkpoint; a LoRA run exports its adapter: use "
-                             "rl.export_adapter_dir (PEFT format, for the base checkpoint rl.model_dir)")
-        model_cfg = config.model_spec.model
-        model_cfg.arch = dataclasses.replace(model_cfg.arch, lora=lora)
-        if rl.spawn_server:
-            rl.server_args = _with_hf_override(rl.server_args, HF_CONFIG_KEY, lora.to_hf())
-        return lora
-
     @torch.no_grad()
     def _load_hf_weights(self, model_dir: str) -> None:
         from titan_rl_ext.models.hf import adapter_for, read_config, read_safetensors
@@ -247,12 +205,7 @@ class RLTrainer(Trainer):
             result = model.load_state_dict({k: v.to(dtype) if v.is_floating_point() and k != "rope.inv_freq" else v
                                             for k, v in sd.items()}, strict=strict)
         if not strict:
-            from titan_rl_ext.models.common.lora import is_lora_param
-            from titan_rl_ext.models.common.state_dict_adapter import CheckpointMismatchError
-
-            bad = [k for k in result.missing_keys if not is_lora_param(k)] + list(result.unexpected_keys)
-            if bad:
-                raise CheckpointMismatchError(f"{model_dir} does not fit the LoRA model: {bad[:10]}")
+            lora_run.check_loaded(result, model_dir)
         logger.info("RL: loaded initial weights from %s", model_dir)
 
     def _start(self) -> None:
@@ -280,7 +233,8 @@ class RLTrainer(Trainer):
         problem = None
         if self.rank == 0:
             ours = checksum(sd)
-            problem = self._lora_problem(ours, served) if self._lora is not None else None
+            problem = None if self._lora is None else lora_run.generator_problem(
+                self._lora, rl.model_dir, self._link.pusher, ours, served)
             same = problem is None and server_v == self.rl_version and all(self._link.serves(u, ours) for u in served)
         del sd
         if (problem := self._broadcast(problem)) is not None:
@@ -310,29 +264,6 @@ class RLTrainer(Trainer):
         self._service = RolloutService(rl, self._link.fleet, rl.served_model_name or rl.model_dir, tokenizer,
                                        self.rl_version, self.prompt_cursor, exited=self._link.exited)
         self._eval_items = self.rl_task.eval_items(rl, tokenizer) if rl.eval_every else []
-
-    def _lora_problem(self, ours: dict[str, str], served: dict[str, Any]) -> str | None:
-        """Rank 0, LoRA: why a generator cannot take this run's adapter-only pushes (None: all can). Each must serve
-        these adapters (same names: the same ``titan_lora`` setting) over the trainer's base weights bit for bit."""
-        import json
-
-        from titan_rl_ext.models.common.lora import HF_CONFIG_KEY, is_lora_param
-
-        adapters = {k for k in ours if is_lora_param(k)}
-        for url in served:
-            try:
-                theirs = self._link.pusher.checksums(url)
-            except Exception as e:  # noqa: BLE001 -- reported as the reason
-                return f"LoRA: cannot read the checksums of {url} ({type(e).__name__}: {e})"
-            if {k for k in theirs if is_lora_param(k)} != adapters:
-                return (f"LoRA: {url} does not serve this run's adapters; start it with --model-impl titan "
-                        f"--hf-overrides '{json.dumps({HF_CONFIG_KEY: self._lora.to_hf()})}'")
-            base = sorted(k for k in ours if k not in adapters and theirs.get(k) != ours[k])
-            if base:
-                return (f"LoRA: {url} serves other base weights than the trainer's ({len(base)} tensors differ, e.g. "
-                        f"{base[:3]}); an adapter-only run never pushes the base: serve the checkpoint "
-                        f"{self.config.rl.model_dir}")
-        return None
 
     def _connect_generators(self) -> dict[str, tuple[int, str | None]]:
         """Rank 0: reach the generators (waiting for a spawned one) and open the metrics log; returns the
@@ -390,14 +321,12 @@ class RLTrainer(Trainer):
         where it went (with the fleet's ``swap/post_s`` and the servers' phases, ``FleetPush.metrics``)."""
         from titan_rl_ext.rl.metrics import SWAP_LATENCY_S
 
-        from titan_rl_ext.models.common.lora import lora_state_dict
-
         t0 = time.perf_counter()
         sd = _served_state_dict(self.model_parts[0], self._compute)
         t_gathered = time.perf_counter()
         if self.rank != 0:
             return {SWAP_LATENCY_S: time.perf_counter() - t0}
-        payload = sd if self._lora is None else lora_state_dict(sd)  # LoRA: the base never moves
+        payload = lora_run.push_payload(sd, self._lora)  # LoRA: the adapters alone
         self._link.push(payload, version)
         t_posted = time.perf_counter()
         self._stale.remember(version, sd)
@@ -675,15 +604,10 @@ class RLTrainer(Trainer):
             logger.info("exported the policy at step %d as an HF checkpoint: %s", self.step, out_dir)
 
     def _export_adapter(self, out_dir: str) -> None:
-        from titan_rl_ext.models.common.lora import lora_state_dict
-        from titan_rl_ext.models.hf import adapter_for, read_config
-        from titan_rl_ext.models.peft_adapter import save_peft_adapter_tensors
-
-        sd = lora_state_dict(_full_state_dict(self.model_parts[0]))  # every rank gathers (FSDP); rank 0 writes
+        sd = _full_state_dict(self.model_parts[0])  # every rank gathers (FSDP); rank 0 writes
         if self.rank == 0:
-            rl = self.config.rl
-            hf_adapter = adapter_for(read_config(rl.model_dir), self.model_config.arch)  # type: ignore[attr-defined]
-            save_peft_adapter_tensors(sd, self._lora, hf_adapter, out_dir, base_model_name_or_path=rl.model_dir)
+            lora_run.export_adapter(sd, self._lora, self.model_config.arch,  # type: ignore[attr-defined]
+                                    self.config.rl.model_dir, out_dir)
             logger.info("exported the LoRA adapter at step %d in PEFT's format: %s", self.step, out_dir)
 
     def close(self) -> None:

@@ -42,13 +42,17 @@ def _fold(S, rows_ptr, g_last, n_rows, offs_k, offs_v, R: tl.constexpr, OFF_K: t
     """``exp(G_last) S + sum_{j < n_rows} (exp(G_last - G_j) k_j) delta_j^T``, j in order (a chunk folded into its
     entering state; ``S`` a [K, BV] block, ``offs_v`` its delta columns)."""
     acc = tl.exp(g_last) * S
+    zk = offs_k * 0  # vector masks element-wise (the interpreter rejects a scalar bool & a block)
+    zv = offs_v * 0
+    p_k = rows_ptr + OFF_K + offs_k
+    p_d = rows_ptr + OFF_D + offs_v
     for j0 in range(0, n_rows, UNROLL):
         for dj in tl.static_range(UNROLL):
             j = j0 + dj
             # rows past n_rows (stale) are masked off as they load, then left out of the sum
-            k_j = tl.load(rows_ptr + j * R + OFF_K + offs_k, mask=(offs_k * 0 + j) < n_rows, other=0.0)
+            k_j = tl.load(p_k + j * R, mask=(zk + j) < n_rows, other=0.0)
             g_j = tl.load(rows_ptr + j * R + OFF_G, mask=j < n_rows, other=0.0)
-            d_j = tl.load(rows_ptr + j * R + OFF_D + offs_v, mask=(offs_v * 0 + j) < n_rows, other=0.0)
+            d_j = tl.load(p_d + j * R, mask=(zv + j) < n_rows, other=0.0)
             acc = tl.where(j < n_rows, acc + (tl.exp(g_last - g_j) * k_j)[:, None] * d_j[None, :], acc)
     return acc
 
@@ -226,13 +230,15 @@ def _output_kernel(
             qk_CC = qk_CC + q_col[:, None] * k_col[None, :]
     G_C = tl.load(rows + offs_c * R + OFF_G, mask=offs_c < r1, other=0.0)
     m_CC = tl.where(offs_c[:, None] >= offs_c[None, :], tl.exp(G_C[:, None] - G_C[None, :]) * qk_CC, 0.0)
-    d_CV = tl.load(rows + offs_c[:, None] * R + OFF_D + offs_v[None, :], mask=(offs_c < r1)[:, None], other=0.0)
+    p_d = rows + OFF_D + offs_v
     inner = tl.zeros([C, BV], dtype=tl.float32)
-    for j in range(r1):
-        m_C = tl.reduce(tl.where(offs_c[None, :] == j, m_CC, 0.0), 1, _ADD)  # one-hot: exact
-        d_j = tl.reduce(tl.where(offs_c[:, None] == j, d_CV, 0.0), 0, _ADD)
-        # a row's sum stops at j = i, as the decode kernel's does
-        inner = tl.where(offs_c[:, None] >= j, inner + m_C[:, None] * d_j[None, :], inner)
+    for j0 in range(0, r1, UNROLL):
+        for dj in tl.static_range(UNROLL):
+            j = j0 + dj
+            m_C = tl.reduce(tl.where(offs_c[None, :] == j, m_CC, 0.0), 1, _ADD)  # column j (one-hot: exact)
+            d_j = tl.load(p_d + j * R, mask=(offs_v * 0 + j) < r1, other=0.0)
+            # a row's sum stops at j = i, as the decode kernel's does
+            inner = tl.where((offs_c[:, None] >= j) & (j < r1), inner + m_C[:, None] * d_j[None, :], inner)
     p_o = (tok[:, None] * HV + hv) * V + offs_v[None, :]
     o_CV = tl.load(o32_ptr + p_o, mask=new[:, None], other=0.0) + inner
     tl.store(o_ptr + tok[:, None] * so_t + hv * so_h + offs_v[None, :], o_CV.to(o_ptr.dtype.element_ty),

@@ -140,8 +140,9 @@ def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH:
     C, R = buf.shape[2:]
     pos = [0] * N if pos is None else list(pos)
     slots = list(range(N)) if slots is None else list(slots)
-    if len(pos) != N or len(slots) != N or any(not 0 <= x < S.shape[0] for x in slots):
-        raise ValueError(f"{N} sequences need {N} positions and state rows in [0, {S.shape[0]}); got {pos}, {slots}")
+    if len(pos) != N or len(slots) != N or len(set(slots)) != N or any(not 0 <= x < S.shape[0] for x in slots):
+        raise ValueError(f"{N} sequences need {N} positions and distinct state rows in [0, {S.shape[0]}); got "
+                         f"{pos}, {slots}")
     dev = v_THV.device
     plan = chunk_plan(cu_seqlens, pos, C)
     plan["slot"] = slots

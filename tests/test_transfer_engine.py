@@ -14,7 +14,8 @@ Our trainer (``WeightPusher(transport="titan_gloo")``) broadcasts each version t
 group, the trainer rank 0); ``titan_gloo_relay`` sends it to one of them (the host's lead), which passes it on
 to the other over a host-local group. After each push both serve the trainer's tensors bit for bit (the
 checksums route against ``tensor_checksum``) and a greedy completion's logprobs from each equal the trainer's
-recompute under BI (``differing == 0``); a push that dies midway (the trainer raises while sending its third
+recompute under BI (``differing == 0``), the second version committed as ``mode="recompute"`` with ``pause`` (the
+finish's query, seen in each server's log); a push that dies midway (the trainer raises while sending its third
 bucket) commits nowhere; a generator that refuses a bucket is left out of that version (the others take it) and
 keeps its old weights whole; a generator killed mid-broadcast is reported out of that version while the other one
 takes it (the group rebuilt without it, the version sent again), and once restarted on its port joins the next

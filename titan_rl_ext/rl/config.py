@@ -178,9 +178,11 @@ class RLConfig:
         try:
             options = json.loads(self.weight_transport_options or "{}")
         except json.JSONDecodeError as e:
-            raise ValueError(f"rl.weight_transport_options is not JSON ({e}): {self.weight_transport_options!r}") from None
+            raise ValueError(f"rl.weight_transport_options is not JSON ({e}): "
+                             f"{self.weight_transport_options!r}") from None
         if not isinstance(options, dict):
-            raise ValueError(f"rl.weight_transport_options must be a JSON object, got {self.weight_transport_options!r}")
+            raise ValueError(f"rl.weight_transport_options must be a JSON object, "
+                             f"got {self.weight_transport_options!r}")
         try:
             return check_transport_options(self.weight_transport, options)
         except ValueError as e:

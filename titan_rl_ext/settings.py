@@ -122,6 +122,12 @@ GDN_RECURRENT = _declare(
     "TITAN_GDN_RECURRENT", "titan", *_choice("fla", "titan"), "both",
     "Kernel of every recurrent GDN forward on CUDA (BI mode, decode-sized steps): the project's (`titan`) or FLA's "
     "`fused_recurrent` (`fla`). They round differently: trainer and generators must name the same one.")
+GDN_BI_FORM = _declare(
+    "TITAN_GDN_BI_FORM", "recurrent", *_choice("recurrent", "grid"), "both",
+    "Definition of the GDN rule under batch invariance: `recurrent` (token by token, `kernels.gdn_triton`) or `grid` "
+    "(opt-in: `kernels.gdn_chunk_grid`, 64-token chunks anchored at each sequence's first token, an open-chunk buffer "
+    "as a third vLLM state tensor). They round differently: trainer and generators must name the same one; `grid` "
+    "needs `TITAN_BATCH_INVARIANT=1`.")
 SWAP_TOKEN = _declare(
     "TITAN_SWAP_TOKEN", "", _text, "any secret string (unset: weight pushes off)", "both",
     "Generators: turns on the weight-push routes, which accept this token. Trainer: the token it pushes with.")

@@ -42,6 +42,28 @@ def attention_group_problem(vllm_config: Any) -> str | None:
     return None if problem is None else f"--model-impl titan with batch invariance: {problem}"
 
 
+def gdn_bi_form_problem(vllm_config: Any, batch_invariant: bool) -> str | None:
+    """``TITAN_GDN_BI_FORM=grid``: batch invariance from start-up (the layers' state gains the open-chunk buffer
+    then, sized once), GDN heads the chunk-grid kernels tile, an fp32 ssm cache (the grid's ``S`` rows are
+    advanced in place in fp32), no speculative decoding (one token a sequence per decode step)."""
+    from titan_rl_ext.kernels.gdn import bi_form, bi_form_problem, grid_shape_problem
+
+    if bi_form() != "grid":
+        return None
+    if (problem := bi_form_problem(batch_invariant)) is not None:
+        return f"--model-impl titan: {problem}"
+    hf = getattr(vllm_config.model_config, "hf_text_config", None)
+    heads = [getattr(hf, name, None) for name in ("linear_num_key_heads", "linear_num_value_heads",
+                                                   "linear_key_head_dim", "linear_value_head_dim")]
+    if all(isinstance(x, int) for x in heads) and (problem := grid_shape_problem(*heads)) is not None:
+        return f"--model-impl titan: {problem}"
+    ssm_dtype = str(getattr(vllm_config.cache_config, "mamba_ssm_cache_dtype", "auto"))
+    if ssm_dtype not in ("auto", "float32"):
+        return (f"--model-impl titan: {settings.GDN_BI_FORM.name}=grid keeps the GDN state in fp32; "
+                f"--mamba-ssm-cache-dtype is {ssm_dtype!r}: serve with --mamba-ssm-cache-dtype auto")
+    return None
+
+
 def batch_invariance_problem(vllm_config: Any) -> str | None:
     return kv_cache_dtype_problem(vllm_config) or attention_group_problem(vllm_config)
 

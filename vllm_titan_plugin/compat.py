@@ -74,13 +74,14 @@ def layer_metadata(prefix: str) -> Any | None:
     return md.get(prefix)
 
 
-def mamba_state_tensors(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(conv, ssm) cache views of a MambaBase layer, ``[num_slots, *shape]`` each."""
+def mamba_state_tensors(layer: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """(conv, ssm[, grid buffer]) cache views of a MambaBase layer, ``[num_slots, *shape]`` each: as many as the
+    layer's ``get_state_shape`` declares."""
     kv = layer.kv_cache
     # Older releases bound one (conv, ssm) pair per virtual engine.
     if isinstance(kv, (list, tuple)) and kv and isinstance(kv[0], (list, tuple)):
         kv = kv[get_forward_context().virtual_engine]
-    return kv[0], kv[1]
+    return tuple(kv)
 
 
 def paged_kv_views(attn_layer: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,12 +136,14 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return STR_DTYPE_TO_TORCH_DTYPE[name]
 
 
-def gdn_state_copy_funcs() -> tuple[Callable[..., Any], ...]:
+def gdn_state_copy_funcs(grid: bool = False) -> tuple[Callable[..., Any], ...]:
     """Copy functions for (conv, ssm) used by align-mode prefix caching. Both copy whole slots:
-    our conv state is (W-1, conv_dim) and the ssm state one block per request (no spec decode)."""
+    our conv state is (W-1, conv_dim) and the ssm state one block per request (no spec decode). ``grid``: a third
+    state, the chunk grid's open-chunk buffer, copied whole as the ssm state is."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
-    return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+    funcs = tuple(MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func())
+    return funcs + (funcs[1],) if grid else funcs
 
 
 # -- weight push / in-place swap (vllm_titan_plugin.swap) ------------------------------------------------

@@ -6,7 +6,8 @@ unchanged titan layer on the step's tokens (decodes first, then prefills -- any 
 across steps) with both caches handed over whole and the step's slots bound to the layer's two sequence
 kernels (``CachedStateConvKernel``, ``CachedStateRuleKernel``): each reads and writes its state by slot, in
 place where its kernel can (else it gathers the slots, zeroing those without prior state, and scatters back).
-Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first.
+Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first; with
+``TITAN_GDN_BI_FORM=grid`` (batch invariant) a third tensor, the chunk grid's open-chunk buffer ``(HV, C, R)``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
+from titan_rl_ext.kernels import batch_invariant as bi
+from titan_rl_ext.kernels.gdn import bi_form
+from titan_rl_ext.kernels.gdn_chunk_grid import CHUNK, row_layout
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet, GDNConfig, GDNState
 from vllm_titan_plugin import compat
@@ -25,18 +29,29 @@ from vllm_titan_plugin.gdn_slots import CachedStateConvKernel, CachedStateRuleKe
 INNER = "layer"
 
 
-def gdn_state_shapes(cfg: GDNConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    return cfg.conv_state_shape(), cfg.ssm_state_shape()
+def grid_state() -> bool:
+    """Whether the GDN layers carry the chunk grid's open-chunk buffer as a third state tensor: batch-invariant
+    mode with ``TITAN_GDN_BI_FORM=grid`` (read by the model class's classmethods, before any layer exists)."""
+    return bi.is_batch_invariant() and bi_form() == "grid"
 
 
-def gdn_state_dtypes(vllm_config: Any) -> tuple[torch.dtype, torch.dtype]:
+def gdn_state_shapes(cfg: GDNConfig) -> tuple[tuple[int, ...], ...]:
+    """conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)``; under ``grid_state()`` also the open chunk ``(HV, C, R)``."""
+    shapes: tuple[tuple[int, ...], ...] = (cfg.conv_state_shape(), cfg.ssm_state_shape())
+    if grid_state():
+        shapes += ((cfg.n_v_heads, CHUNK, row_layout(cfg.k_head_dim, cfg.v_head_dim)["R"]),)
+    return shapes
+
+
+def gdn_state_dtypes(vllm_config: Any) -> tuple[torch.dtype, ...]:
     """conv state in the activation dtype, ssm state fp32 -- the titan layer's own contract -- unless
-    ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` ask for something else explicitly."""
+    ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` ask for something else explicitly; the grid's buffer
+    always fp32 (``checks.gdn_bi_form_problem`` refuses another ssm dtype with it)."""
     cache = vllm_config.cache_config
     model_dtype = compat.torch_dtype(vllm_config.model_config.dtype)
     conv = model_dtype if cache.mamba_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_cache_dtype)
     ssm = torch.float32 if cache.mamba_ssm_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_ssm_cache_dtype)
-    return conv, ssm
+    return (conv, ssm, torch.float32) if grid_state() else (conv, ssm)
 
 
 class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
@@ -85,13 +100,14 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
         T = md.num_actual_tokens  # x_TD may carry padding after the real tokens
         bounds = _step_bounds(md, batch, T, x_TD.device)
         seq, slots, keep = bounds.seq, bounds.slots, bounds.keep
-        conv_cache, ssm_cache = compat.mamba_state_tensors(self)
+        conv_cache, ssm_cache, *grid_buf = compat.mamba_state_tensors(self)
 
         # both caches go in whole: the sequence kernels read and write this step's slots (in place where their
         # kernels can); the rule kernel may instead return the N new ssm states, scattered here
         kernels = (self.layer.conv_kernel, self.layer.rule_kernel)
         self.layer.conv_kernel.bind(slots, keep)
-        self.layer.rule_kernel.bind(slots, keep, n_decodes=bounds.n_decodes, chunk_indices=bounds.chunk_indices)
+        self.layer.rule_kernel.bind(slots, keep, n_decodes=bounds.n_decodes, chunk_indices=bounds.chunk_indices,
+                                    grid_buf=grid_buf[0] if grid_buf else None)
         try:
             y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv_cache, ssm_cache))
         finally:

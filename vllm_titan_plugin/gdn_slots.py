@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from titan_rl_ext.kernels import batch_invariant as bi
 from titan_rl_ext.kernels.conv import causal_conv1d
-from titan_rl_ext.kernels.gdn import GDNMode, mixed_steps, runs_titan_recurrent
+from titan_rl_ext.kernels.gdn import GDNMode, bi_form, grid_steps_torch, mixed_steps, runs_titan_recurrent
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaRuleKernel
 
@@ -69,20 +69,22 @@ class CachedStateRuleKernel(_SlotBound):
         super().__init__(base)
         self._n_decodes = 0
         self._chunk_indices: torch.Tensor | None = None
+        self._grid_buf: torch.Tensor | None = None
 
     def bind(
         self, slots: torch.Tensor, keep: torch.Tensor | None, *, n_decodes: int = 0,
-        chunk_indices: torch.Tensor | None = None,
+        chunk_indices: torch.Tensor | None = None, grid_buf: torch.Tensor | None = None,
     ) -> None:
         """As ``_SlotBound.bind``, plus what an engine knows of the step's layout on the host: ``n_decodes``, how
         many leading sequences are one-token decodes followed by prefills (0: no such split), and the FLA chunk
-        indices of the prefill sequences (of all of them where ``n_decodes`` is 0)."""
+        indices of the prefill sequences (of all of them where ``n_decodes`` is 0). ``grid_buf`` ``[S, HV, C, R]``:
+        the open-chunk buffer cache of ``TITAN_GDN_BI_FORM=grid`` (its third state tensor), slots as ``state``'s."""
         super().bind(slots, keep)
-        self._n_decodes, self._chunk_indices = n_decodes, chunk_indices
+        self._n_decodes, self._chunk_indices, self._grid_buf = n_decodes, chunk_indices, grid_buf
 
     def unbind(self) -> None:
         super().unbind()
-        self._n_decodes, self._chunk_indices = 0, None
+        self._n_decodes, self._chunk_indices, self._grid_buf = 0, None, None
 
     def _peels_decodes(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
         """Whether a mixed step (decodes first, then prefills) runs as two calls, as vLLM's own GDN layer does:
@@ -134,6 +136,8 @@ class CachedStateRuleKernel(_SlotBound):
 
     def qk_dtype(self, q_THK: torch.Tensor, v_THV: torch.Tensor, n_seqs: int, state: torch.Tensor | None) -> torch.dtype:
         """fp32 where the project's kernel runs the call on the cache in place, else ``base``'s choice."""
+        if bi.is_batch_invariant() and bi_form() == "grid":
+            return torch.float32  # as the trainer's grid forward reads them (``GatedDeltaRuleKernel.qk_dtype``)
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
         if self._slots is not None and state is not None and self._in_place(q_THK, v_THV, state, mode):
             return torch.float32
@@ -177,6 +181,8 @@ class CachedStateRuleKernel(_SlotBound):
         slots, keep = self._slots, self._keep
         if slots is None or state is None:  # no cache bound (a profiling run): the plain kernel
             return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
+        if bi.is_batch_invariant() and bi_form() == "grid":
+            return self._grid_step(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
         if self._in_place(q_THK, v_THV, state, mode):
             from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
@@ -188,6 +194,54 @@ class CachedStateRuleKernel(_SlotBound):
         # the bound chunk indices cover the prefills alone where decodes lead the step: not this whole call then
         return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, self._gather(state, slots, keep),
                          chunk_indices=self._chunk_indices if self._n_decodes == 0 else None)
+
+    def _grid_step(
+        self, q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+        beta_TH: torch.Tensor, batch: SeqBatch, scale: float, S: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``TITAN_GDN_BI_FORM=grid``: every sequence of the step continued on the chunk grid from its slot's ``S``
+        and open-chunk rows. Returns the ``S`` cache itself (both caches advanced in place).
+
+        A sequence's position on the grid (tokens seen) is its first token's position in this step: text
+        positions count the tokens before, vLLM's align-mode cache hits included (the hit's block state, buffer
+        and all, is copied by the model's copy functions). So nothing else need be kept, and prefix-cache copies
+        of the buffer carry all the grid needs."""
+        from titan_rl_ext.kernels import gdn_chunk_grid as grid
+
+        slots, keep, buf = self._slots, self._keep, self._grid_buf
+        assert slots is not None
+        if buf is None:
+            raise RuntimeError("TITAN_GDN_BI_FORM=grid needs the open-chunk buffer bound (the layer's third state "
+                               "tensor): was the engine started with this setting?")
+        T, N = q_THK.shape[0], slots.shape[0]
+        if T == 0 or N == 0:
+            return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=v_THV.device), S
+        cu = batch.cu_seqlens
+        # an empty sequence (a padded request) has no first token: any position serves it
+        pos_N = batch.positions[cu[:-1].long().clamp(max=T - 1)]
+        if keep is not None:
+            # a recycled slot holds another request's (or uninitialised) state: the grid starts fresh ones from a
+            # zero S row (its buffer rows are written before they are read)
+            fresh = torch.where(keep[:, None, None, None], S.index_select(0, slots), torch.zeros((), device=S.device))
+            S.index_copy_(0, slots, fresh)
+        if not q_THK.is_cuda:
+            o = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, buf, pos_N.tolist(),
+                                 slots.tolist())
+            return o.to(v_THV.dtype), S
+        # the kernels address whole rows of contiguous caches; vLLM's mamba pages interleave the state tensors, so
+        # there the step's rows are gathered and scattered (a copy of each sequence's ~6 MiB per layer at the 9B)
+        in_place = S.is_contiguous() and buf.is_contiguous()
+        S_rows, buf_rows = (S, buf) if in_place else (S.index_select(0, slots), buf.index_select(0, slots))
+        if T == N and keep is None:  # decode-only: one token a sequence, positions and slots stay on the device
+            rows = slots.to(torch.int32) if in_place else torch.arange(N, dtype=torch.int32, device=slots.device)
+            o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, S_rows, buf_rows, pos_N.to(torch.int32), rows)
+        else:  # the prefill's chunk plan is made on the host
+            o, _ = grid.prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S_rows, buf_rows,
+                                pos_N.tolist(), slots.tolist() if in_place else None)
+        if not in_place:
+            S.index_copy_(0, slots, S_rows)
+            buf.index_copy_(0, slots, buf_rows)
+        return o, S
 
     @staticmethod
     def _gather(state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from titan_rl_ext.models.architectures import architecture_of
 from titan_rl_ext.models.hf import adapter_for, config_from_hf
 from vllm_titan_plugin import checks, compat
 from vllm_titan_plugin.attention import VllmAttentionKernel
-from vllm_titan_plugin.gdn_layer import INNER, VllmGatedDeltaNet, gdn_state_dtypes, gdn_state_shapes
+from vllm_titan_plugin.gdn_layer import INNER, VllmGatedDeltaNet, gdn_state_dtypes, gdn_state_shapes, grid_state
 
 logger = logging.getLogger("vllm.titan_plugin")
 
@@ -80,6 +80,8 @@ class TitanForCausalLM(nn.Module, compat.SupportsMRoPE):
         if bi.is_batch_invariant() and (problem := checks.batch_invariance_problem(vllm_config)) is not None:
             raise ValueError(problem)
         if (problem := checks.settings_problem()) is not None:  # a bad TITAN_* value, before any request
+            raise ValueError(problem)
+        if (problem := checks.gdn_bi_form_problem(vllm_config, bi.is_batch_invariant())) is not None:
             raise ValueError(problem)
 
     def _install_vllm_layers(self, vllm_config: compat.VllmConfig, model_prefix: str) -> None:
@@ -193,4 +195,4 @@ class TitanHybridForCausalLM(TitanForCausalLM, compat.HasInnerState, compat.IsHy
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[Any, ...]:
-        return compat.gdn_state_copy_funcs()
+        return compat.gdn_state_copy_funcs(grid=grid_state())

@@ -356,15 +356,120 @@ def gated_delta_rule(
     return fn(q, k, v, g, beta, cu_seqlens, scale, initial_state)
 
 
+BIForm = Literal["recurrent", "grid"]
+BI_FORM_ENV = settings.GDN_BI_FORM.name
+
+
+def bi_form() -> BIForm:
+    """The GDN definition batch-invariant mode runs (``TITAN_GDN_BI_FORM``): ``recurrent`` (token by token, the
+    default) or ``grid`` (``kernels.gdn_chunk_grid``: 64-token chunks from each sequence's first token, whose
+    prefill, decode and continued prefill give the same bits). The two round differently: trainer and generators
+    must name the same one."""
+    return settings.GDN_BI_FORM.get()  # type: ignore[return-value]
+
+
+def bi_form_problem(batch_invariant: bool) -> str | None:
+    """Why ``TITAN_GDN_BI_FORM`` cannot hold for a process that starts with ``batch_invariant`` (None: it can):
+    ``grid`` defines the rule under batch invariance only, and a generator sizes its GDN state (the open-chunk
+    buffer as a third tensor) once, at start-up."""
+    if bi_form() == "grid" and not batch_invariant:
+        return (f"{BI_FORM_ENV}=grid defines the GDN rule under batch invariance only: start with "
+                "TITAN_BATCH_INVARIANT=1 (the trainer: batch invariance from its first step), or unset "
+                f"{BI_FORM_ENV}")
+    return None
+
+
+def grid_shape_problem(n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int) -> str | None:
+    """Why ``TITAN_GDN_BI_FORM=grid`` cannot serve these GDN heads (None: it can). The Triton kernels tile K, V
+    and the chunk as powers of two >= 16; the CPU form is held to the same rule so that a configuration the
+    trainer accepts on CPU is one a GPU generator accepts too."""
+    bad = [f"{n}={x}" for n, x in (("linear_key_head_dim", k_head_dim), ("linear_value_head_dim", v_head_dim))
+           if x < 16 or x & (x - 1)]
+    if n_v_heads % n_k_heads:
+        bad.append(f"value heads {n_v_heads} not a multiple of key heads {n_k_heads}")
+    if not bad:
+        return None
+    return f"{BI_FORM_ENV}=grid needs GDN head dims that are powers of two >= 16; got {', '.join(bad)}"
+
+
+def grid_steps_torch(
+    q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor,
+    cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor, pos: list[int], slots: list[int],
+) -> torch.Tensor:
+    """The grid rule in plain PyTorch (``gdn_chunk_grid.decode_step_torch``, token after token), continued from each
+    sequence's state rows ``slots[n]`` at ``pos[n]`` tokens seen; ``S``/``buf`` advanced in place, ``o [T, HV, V]``
+    fp32. The CPU form of both the trainer's packed forward and an engine's steps: one function, so that their
+    bits match whatever the step layout (row views keep the state where the engine holds it, strided or not)."""
+    from titan_rl_ext.kernels.gdn_chunk_grid import decode_step_torch
+
+    o = torch.empty(v_THV.shape, dtype=torch.float32, device=v_THV.device)
+    for n, slot in enumerate(slots):
+        S_row, buf_row = S[slot:slot + 1], buf[slot:slot + 1]
+        for t in range(cu_seqlens[n], cu_seqlens[n + 1]):
+            sl = slice(t, t + 1)
+            o[sl] = decode_step_torch(q_THK[sl], k_THK[sl], v_THV[sl], g_TH[sl], beta_TH[sl], scale, S_row, buf_row,
+                                      [pos[n] + t - cu_seqlens[n]])
+    return o
+
+
+def _fold_open_torch(S: torch.Tensor, buf: torch.Tensor, pos: list[int]) -> torch.Tensor:
+    """Each sequence's state after its last token (``[N, HV, K, V]``): its ``S`` row where the sequence ends on a
+    chunk boundary, else the open chunk folded in as the grid's fold does, rows in order."""
+    from titan_rl_ext.kernels.gdn_chunk_grid import row_layout
+
+    K, V = S.shape[2:]
+    L = row_layout(K, V)
+    C = buf.shape[2]
+    finals = []
+    for n, p in enumerate(pos):
+        m = p % C
+        if m == 0:
+            finals.append(S[n].clone())
+            continue
+        rows = buf[n]
+        G_last = rows[:, m - 1, L["G"]]
+        acc = torch.exp(G_last)[:, None, None] * S[n]
+        for j in range(m):
+            kd = torch.exp(G_last - rows[:, j, L["G"]])[:, None] * rows[:, j, L["K"]:L["K"] + K]
+            acc = acc + kd[:, :, None] * rows[:, j, None, L["D"]:L["D"] + V]
+        finals.append(acc)
+    return torch.stack(finals) if finals else S.new_zeros(0, *S.shape[1:])
+
+
+def gated_delta_rule_grid(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+    scale: float, initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences from ``initial_state`` (zeros by default) on the chunk grid: the Triton kernels on CUDA, the
+    same fixed order in plain PyTorch elsewhere (the interpreter is a test tool, not a CPU path): ``(o in v's dtype,
+    final [N, HV, K, V])``."""
+    from titan_rl_ext.kernels.gdn_chunk_grid import gated_delta_rule_chunk_grid, new_state
+
+    _check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
+    bounds = cu_seqlens.tolist()  # the grid's plan is made on the host either way
+    if q.is_cuda:
+        return gated_delta_rule_chunk_grid(q, k, v, g, beta, bounds, scale, initial_state)
+    N = len(bounds) - 1
+    S, buf = new_state(N, v.shape[1], q.shape[2], v.shape[2], device=v.device, initial_state=initial_state)
+    o = grid_steps_torch(q, k, v, g, beta, bounds, scale, S, buf, [0] * N, list(range(N)))
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    return o.to(v.dtype), _fold_open_torch(S, buf, lengths)
+
+
 class _RecurrentForwardChunkBackward(torch.autograd.Function):
-    """Forward with the recurrent rule (batch invariant: per-token ops of fixed shape), backward
-    through the chunked form (fast, same math). The gradient is the chunked form's gradient at the
-    same inputs; the forward value is the recurrent one -- the two agree to ~1e-7 in fp32."""
+    """Forward with the recurrent rule (batch invariant: per-token ops of fixed shape) or the chunk grid
+    (``form``), backward through the chunked form (fast, same math). The gradient is the chunked form's gradient
+    at the same inputs; the forward value is the recurrent (or grid) one -- they agree to ~1e-7 in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, backend):  # type: ignore[no-untyped-def]
+    def forward(  # type: ignore[no-untyped-def]
+        ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, backend, form="recurrent",
+    ):
         with torch.no_grad():
-            o, final = gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale, initial_state, "recurrent", backend)
+            if form == "grid":
+                o, final = gated_delta_rule_grid(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+            else:
+                o, final = gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale, initial_state, "recurrent", backend)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale, ctx.backend = scale, backend
         return o, final
@@ -387,7 +492,7 @@ class _RecurrentForwardChunkBackward(torch.autograd.Function):
             wrt = [t for t in inputs if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(outs, wrt, grads_in, allow_unused=True)) if wrt else iter(())
         result = [next(grads) if (t is not None and t.requires_grad) else None for t in inputs]
-        return (*result, None, None, None)
+        return (*result, None, None, None, None)
 
 
 def gated_delta_rule_bi(
@@ -401,7 +506,11 @@ def gated_delta_rule_bi(
     initial_state: torch.Tensor | None = None,
     backend: Literal["auto", "torch", "fla", "titan"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch-invariant mode: recurrent kernel forward (trainer, prefill and decode alike), chunked backward."""
+    """Batch-invariant mode: recurrent kernel forward (trainer, prefill and decode alike) -- or the chunk grid where
+    ``bi_form()`` says ``grid`` -- chunked backward."""
+    form = bi_form()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
-        return _RecurrentForwardChunkBackward.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend)
+        return _RecurrentForwardChunkBackward.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, backend, form)
+    if form == "grid":
+        return gated_delta_rule_grid(q, k, v, g, beta, cu_seqlens, scale, initial_state)
     return gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale, initial_state, "recurrent", backend)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from titan_rl_ext.kernels.conv import causal_conv1d
 from titan_rl_ext.kernels import batch_invariant as bi
-from titan_rl_ext.kernels.gdn import GDNMode, gated_delta_rule, gated_delta_rule_bi, resolve_backend
+from titan_rl_ext.kernels.gdn import GDNMode, bi_form, gated_delta_rule, gated_delta_rule_bi, resolve_backend
 from titan_rl_ext.kernels import ops, rows
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.common.norms import GatedRMSNorm
@@ -77,7 +77,8 @@ class CausalConvKernel(nn.Module):
 
 class GatedDeltaRuleKernel(nn.Module):
     """``mode``: ``chunk`` (fast prefill/training) or ``recurrent`` (token by token, the reference).
-    Batch-invariant mode overrides it: recurrent forward everywhere, chunked backward."""
+    Batch-invariant mode overrides it: recurrent forward everywhere (or the chunk grid, ``TITAN_GDN_BI_FORM``),
+    chunked backward."""
 
     def __init__(self, mode: GDNMode = "chunk", backend: Literal["auto", "torch", "fla"] = "auto") -> None:
         super().__init__()
@@ -111,6 +112,8 @@ class GatedDeltaRuleKernel(nn.Module):
         copy less per tensor -- else fp32."""
         if self.backend not in ("auto", "fla") or torch.is_grad_enabled():
             return torch.float32
+        if bi.is_batch_invariant() and bi_form() == "grid":
+            return torch.float32  # the grid reads fp32 q/k on every path: the trainer's and an engine's alike
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.mode
         resolved = "fla" if self.backend == "fla" else resolve_backend(q_THK, n_seqs, mode, False)
         return v_THV.dtype if resolved == "fla" else torch.float32

@@ -1,0 +1,124 @@
+"""``TITAN_GDN_BI_FORM=grid``: the chunk-grid GDN as batch invariance's opt-in definition (``kernels.gdn``
+``gated_delta_rule_grid``; an engine's steps through ``vllm_titan_plugin.gdn_slots``). No engine here: the
+trainer's packed forward against the plugin's slot-bound rule kernel stepped over prefills cut anywhere and
+decodes, bit for bit; the backward; the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_rl_ext.kernels import gdn
+from titan_rl_ext.kernels.batch_invariant import batch_invariant
+from titan_rl_ext.kernels.gdn_chunk_grid import CHUNK, row_layout
+from titan_rl_ext.models.common.batch import SeqBatch
+from titan_rl_ext.models.hf import load_hf_model
+from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet
+from vllm_titan_plugin.gdn_slots import CachedStateRuleKernel
+
+
+@pytest.fixture
+def grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gdn.BI_FORM_ENV, "grid")
+
+
+def _inputs(lengths: list[int], H: int = 2, HV: int = 4, K: int = 16, V: int = 16, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    v = torch.randn(T, HV, V, generator=g)
+    gate = -torch.rand(T, HV, generator=g) * 0.2
+    beta = torch.rand(T, HV, generator=g)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return q, k, v, gate, beta, cu
+
+
+def test_grid_forward_is_the_gated_delta_rule_and_its_backward_the_chunked_forms(grid: None) -> None:
+    q, k, v, g, beta, cu = _inputs([70, 1, 129])
+    scale = 16**-0.5
+    o, final = gdn.gated_delta_rule_grid(q, k, v, g, beta, cu, scale)
+    o_ref, final_ref = gdn.recurrent_gated_delta_rule_torch(q, k, v, g, beta, cu, scale)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(final, final_ref, atol=1e-5, rtol=0)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    with batch_invariant():
+        o_bi, _ = gdn.gated_delta_rule_bi(*ins, cu, scale)
+    assert torch.equal(o_bi, o)  # the forward is the grid's, bit for bit
+    o_bi.square().sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    o_c, _ = gdn.chunk_gated_delta_rule_torch(*ref, cu, scale)
+    # the gradient is the chunked form's at the same inputs, with the grid's output as the upstream value
+    torch.autograd.backward(o_c, 2 * o_bi.detach())
+    for a, b in zip(ins, ref):
+        assert torch.equal(a.grad, b.grad)
+
+
+def _grid_kernel(layer: GatedDeltaNet, n_seqs: int) -> tuple[CachedStateRuleKernel, torch.Tensor]:
+    """The plugin's slot-bound rule kernel in ``layer`` and an open-chunk buffer cache of ``n_seqs`` slots."""
+    cfg = layer.cfg
+    kernel = CachedStateRuleKernel(layer.rule_kernel)
+    layer.rule_kernel = kernel
+    R = row_layout(cfg.k_head_dim, cfg.v_head_dim)["R"]
+    return kernel, torch.zeros(n_seqs, cfg.n_v_heads, CHUNK, R)
+
+
+@torch.no_grad()
+def test_model_packed_forward_equals_stepped_grid_forward(grid: None, tiny_ckpt) -> None:
+    """Trainer: every sequence packed from position 0. Engine: prompts cut across chunk boundaries over several
+    steps (mixing continued prefills, fresh sequences and decodes), then decodes past the next boundary, the GDN
+    state in slots (S and the open-chunk buffer) as the plugin keeps it. Same logits bit for bit."""
+    with batch_invariant():
+        model, _ = load_hf_model(tiny_ckpt("qwen3_5"))
+        model.eval()
+        total = [150, 70, 5]
+        g = torch.Generator().manual_seed(3)
+        seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in total]
+        full = model(torch.cat(seqs), SeqBatch.from_lengths(total)).split(total)
+
+        gdn_layers = [b.linear_attn for b in model.layers if hasattr(b, "linear_attn")]
+        kernels = [_grid_kernel(layer, len(seqs)) for layer in gdn_layers]
+        states = model.init_states(len(seqs))
+        done = [0] * len(seqs)
+        got: list[list[torch.Tensor]] = [[] for _ in seqs]
+        slots = torch.arange(len(seqs))
+
+        def run(n_new: list[int]) -> None:
+            nonlocal states
+            toks = torch.cat([s[d:d + n] for s, d, n in zip(seqs, done, n_new)])
+            batch = SeqBatch.from_lengths(n_new, start_positions=done)
+            keep = torch.tensor([d > 0 for d in done])
+            for kernel, buf in kernels:
+                kernel.bind(slots, keep, grid_buf=buf)
+            try:
+                logits, states = model.step(toks, batch, states)
+            finally:
+                for kernel, _ in kernels:
+                    kernel.unbind()
+            for i, chunk in enumerate(logits.split(n_new)):
+                got[i].append(chunk)
+                done[i] += n_new[i]
+
+        run([50, 0, 3])  # seq 1 not started yet
+        run([30, 40, 1])  # seq 0 crosses the 64-token boundary mid-step
+        run([60, 10, 1])  # seq 0 ends its second chunk past 128; seq 2 done after this
+        while any(d < n for d, n in zip(done, total)):
+            run([1 if d < n else 0 for d, n in zip(done, total)])  # decodes: seq 1 crosses 64
+
+    assert all(bool(buf.any()) for _, buf in kernels), "the steps ran on the grid (its buffers written)"
+    for i in range(len(seqs)):
+        assert torch.equal(torch.cat(got[i]), full[i]), i
+
+
+def test_grid_refusals(grid: None) -> None:
+    problem = gdn.bi_form_problem(False)
+    assert problem is not None and "TITAN_BATCH_INVARIANT=1" in problem
+    assert gdn.bi_form_problem(True) is None
+    assert gdn.grid_shape_problem(16, 32, 128, 128) is None
+    assert "powers of two" in (gdn.grid_shape_problem(2, 4, 16, 24) or "")
+    assert gdn.grid_shape_problem(2, 4, 8, 16) is not None
+
+
+def test_recurrent_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gdn.BI_FORM_ENV, raising=False)
+    assert gdn.bi_form() == "recurrent" and gdn.bi_form_problem(False) is None

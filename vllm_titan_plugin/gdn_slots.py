@@ -19,6 +19,12 @@ from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaRuleKernel
 
 
+def grid_runs_kernels(q_THK: torch.Tensor) -> bool:
+    """Whether an engine's grid step runs the Triton kernels (CUDA) or the plain-PyTorch fixed order (elsewhere, as
+    the trainer's forward does there); a function so that interpreter checks can take the kernels' branch on CPU."""
+    return q_THK.is_cuda
+
+
 class _SlotBound(nn.Module):
     """A sequence kernel of an engine that keeps every sequence's state in one cache indexed by slot: ``base``
     (the layer's own kernel) plus this step's slots, which the engine ``bind`` s before the layer runs and
@@ -224,7 +230,7 @@ class CachedStateRuleKernel(_SlotBound):
             # zero S row (its buffer rows are written before they are read)
             fresh = torch.where(keep[:, None, None, None], S.index_select(0, slots), torch.zeros((), device=S.device))
             S.index_copy_(0, slots, fresh)
-        if not q_THK.is_cuda:
+        if not grid_runs_kernels(q_THK):
             o = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, buf, pos_N.tolist(),
                                  slots.tolist())
             return o.to(v_THV.dtype), S

@@ -1,0 +1,87 @@
+"""The plugin's chunk-grid step (``vllm_titan_plugin.gdn_slots.CachedStateRuleKernel`` with
+``TITAN_GDN_BI_FORM=grid``) on the kernels' branch, as a GPU engine runs it, on CPU under the Triton interpreter:
+state caches strided as vLLM's mamba pages lay them out (S and the open-chunk buffer interleaved in one page per
+slot, so the step gathers and scatters its rows), sequences in arbitrary slots, a recycled slot holding garbage
+(``has_initial_state`` False: its S row zeroed), a continued prefill mid-chunk and decode-only steps -- against
+``gdn_chunk_grid.prefill`` / ``decode`` on contiguous state, outputs, S rows and open-chunk rows equal bit for bit.
+
+Runs in a subprocess with ``TRITON_INTERPRET=1``. Skipped where triton is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from triton_interp import run_checks, run_checks_under_interpreter
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_grid_engine_step_under_interpreter() -> None:
+    run_checks_under_interpreter(__file__)
+
+
+# ------------------------------------------------------------------------------------------------
+# the checks, run in the subprocess
+
+
+def _check_strided_slots_and_decodes() -> None:
+    import torch
+
+    from titan_rl_ext.kernels import gdn_chunk_grid as cg
+    from titan_rl_ext.kernels.batch_invariant import batch_invariant
+    from titan_rl_ext.models.common.batch import SeqBatch
+    from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaRuleKernel
+    from vllm_titan_plugin import gdn_slots
+
+    os.environ["TITAN_GDN_BI_FORM"] = "grid"  # a subprocess of its own: nothing leaks
+    gdn_slots.grid_runs_kernels = lambda q: True  # the kernels' branch on CPU tensors (the interpreter runs them)
+    torch.manual_seed(0)
+    H, HV, K, V, C = 1, 2, 16, 16, cg.CHUNK
+    L = cg.row_layout(K, V)
+    n_slots, s_size, b_size = 5, HV * K * V, HV * C * L["R"]
+    pages = torch.zeros(n_slots, s_size + b_size + 37)  # one page a slot, padded as vLLM pads mamba pages
+    S_NHKV = pages[:, :s_size].view(n_slots, HV, K, V)
+    buf_NHCR = pages[:, s_size:s_size + b_size].view(n_slots, HV, C, L["R"])
+    assert not S_NHKV.is_contiguous()
+    S_ref, buf_ref = torch.zeros(n_slots, HV, K, V), torch.zeros(n_slots, HV, C, L["R"])
+    kernel = gdn_slots.CachedStateRuleKernel(GatedDeltaRuleKernel())
+    scale = K**-0.5
+    done = {3: 0, 1: 0}  # slot -> tokens seen
+
+    def step(plan: dict[int, int], decode_only: bool = False) -> None:
+        slots, lengths = list(plan), list(plan.values())
+        T = sum(lengths)
+        unit = [torch.nn.functional.normalize(torch.randn(T, H, K), dim=-1) for _ in range(2)]
+        x = (*unit, torch.randn(T, HV, V), -torch.rand(T, HV) * 0.2, torch.rand(T, HV))
+        slots_t = torch.tensor(slots)
+        pos = [done[s] for s in slots]
+        keep = None if decode_only else torch.tensor([p > 0 for p in pos])
+        kernel.bind(slots_t, keep, grid_buf=buf_NHCR)
+        with batch_invariant():
+            o, _ = kernel(*x, SeqBatch.from_lengths(lengths, start_positions=pos), scale, S_NHKV)
+        kernel.unbind()
+        if decode_only:
+            o_ref = cg.decode(*x, scale, S_ref, buf_ref, torch.tensor(pos, dtype=torch.int32),
+                              slots_t.to(torch.int32))
+        else:
+            cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            o_ref, _ = cg.prefill(*x, cu, scale, S_ref, buf_ref, pos, slots)
+        assert torch.equal(o, o_ref), plan
+        for s, n in plan.items():
+            done[s] += n
+
+    S_NHKV.fill_(3.0)  # recycled slots hold garbage: has_initial_state False must start them from zeros
+    step({3: 40, 1: 2})
+    step({3: 30, 1: 1})  # slot 3 crosses the chunk boundary mid-step, continuing its open chunk
+    for _ in range(3):
+        step({3: 1, 1: 1}, decode_only=True)
+    assert torch.equal(S_NHKV[[1, 3]], S_ref[[1, 3]])
+    for s in (1, 3):  # the open chunk's rows (not the decode's scratch columns a, m)
+        rows = done[s] % C
+        assert torch.equal(buf_NHCR[s, :, :rows, :L["A"]], buf_ref[s, :, :rows, :L["A"]])
+
+if __name__ == "__main__":
+    run_checks((_check_strided_slots_and_decodes,))

@@ -214,11 +214,7 @@ class RLTrainer(Trainer):
         Rank 0 talks to the generators. Comparing what they serve with the trainer's weights needs the full
         weights, and gathering sharded weights is collective: rank 0 broadcasts what it found, and every rank
         gathers (and pushes, when the generators serve other weights)."""
-        from titan_rl_ext.kernels.gdn import bi_form_problem
-
         rl = self.config.rl
-        if (problem := bi_form_problem(self._bi_at(self.step))) is not None:
-            raise ValueError(problem)  # before generators start: they would refuse it at start-up
         self._started = True
         if self.rank == 0:
             self._link = GeneratorLink(rl, self.run_dir)

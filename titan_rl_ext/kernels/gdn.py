@@ -374,8 +374,7 @@ def bi_form_problem(batch_invariant: bool) -> str | None:
     buffer as a third tensor) once, at start-up."""
     if bi_form() == "grid" and not batch_invariant:
         return (f"{BI_FORM_ENV}=grid defines the GDN rule under batch invariance only: start with "
-                "TITAN_BATCH_INVARIANT=1 (the trainer: batch invariance from its first step), or unset "
-                f"{BI_FORM_ENV}")
+                f"TITAN_BATCH_INVARIANT=1, or unset {BI_FORM_ENV}")
     return None
 
 

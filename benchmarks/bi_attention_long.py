@@ -258,19 +258,22 @@ def main() -> int:
 
 
 def _launch_variants(path: str) -> list[tuple[str, Launch]]:
-    """Launches other than the shipped one (``LAUNCH[path]``) to time beside it: prefetch on/off, 2-3 stages and,
-    for the per-tile path, query tiles of 128 rows."""
-    shipped = LAUNCH[path]
+    """Launches other than the shipped one (``TILE_LAUNCH`` at this head size for the per-tile path, else
+    ``LAUNCH[path]``) to time beside it: prefetch on/off, 2-3 stages and, per tile, the table's and taller tiles."""
+    shipped = attention_triton.TILE_LAUNCH.get(attention_triton.config_for(HEAD_DIM)[0], LAUNCH[path]) \
+        if path == "tile" else LAUNCH[path]
     out = []
     for pf in (0, 1):
         for st in (2, 3):
             how = Launch(prefetch=pf, stages=st)
             if how != shipped:
                 out.append((f"{path}_pf{pf}_st{st}", how))
-    if path == "tile":  # taller query tiles: twice the rows per key block read (bits checked like every variant)
-        for rows, warps in ((128, 8), (128, 16)):
-            out.append((f"tile_r{rows}_w{warps}", Launch(stages=shipped.stages, rows=rows, warps=warps)))
-    return out
+    if path == "tile":  # the table's 64-row tile and other tall ones (bits checked like every variant)
+        for rows, warps in ((None, None), (128, 8), (128, 16)):
+            how = Launch(stages=shipped.stages, rows=rows, warps=warps)
+            if how != shipped:
+                out.append((f"tile_r{rows or 'table'}_w{warps or 'table'}", how))
+    return [(n, h) for n, h in out if h != shipped]
 
 
 @contextmanager

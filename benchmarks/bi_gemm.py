@@ -7,13 +7,9 @@ What is timed, for every projection ``y = x @ W^T`` (W ``[N, K]``, bf16) of the 
 row count M in {1, 16, 128, 1024, 4096, 16384}:
 
 - ``BI``     ``titan_rl_ext.kernels.batch_invariant.linear`` -- the call every ``ops.Linear`` makes in BI
-             mode: the persistent Triton GEMM on CUDA (tiles from M, K in fixed chunks),
+             mode: the persistent Triton GEMM on CUDA (one 128x128x64 tile config, no split-K),
              the row-tiled torch GEMM on CPU.
 - ``cuBLAS`` ``F.linear`` -- what the model runs with BI off.
-- ``BI one program per tile`` (CUDA): the BI GEMM with its K chunks walked by one program per output tile
-             (``splits=1``), beside the shipped launch that splits them over programs at decode sizes;
-             the two must give the same bits (checked per M); and ``BI unchunked``, the definition before the
-             K chunks (all of K into one accumulator), to show what the chunks cost at prefill and trainer sizes.
 
 Each variant is timed twice (two interleaved rounds, median of reps each) so the spread shows the noise;
 the ratio uses the mean of the two medians. TFLOP/s counts 2*M*N*K; GB/s counts the fewest bytes
@@ -114,34 +110,17 @@ def bench_shape(shape: Shape, ms: list[int], dev: torch.device, timer: Timer, ar
         def run_cb() -> torch.Tensor:
             return F.linear(x, w)
 
-        def run_bi_one() -> torch.Tensor:  # one program per output tile walks all K chunks (no split)
-            from titan_rl_ext.kernels import batch_invariant_triton as tri
-
-            return tri.bi_matmul(x, w.t(), splits=1)
-
-        def run_bi_unchunked() -> torch.Tensor:  # the former definition: all of K into one accumulator
-            from titan_rl_ext.kernels import batch_invariant_triton as tri
-
-            shipped, tri.K_CHUNK = tri.K_CHUNK, 1 << 30
-            try:
-                return tri.bi_matmul(x, w.t(), splits=1)
-            finally:
-                tri.K_CHUNK = shipped
-
         with torch.no_grad():
             y_bi, y_cb = run_bi(), run_cb()  # also the compile / handle-creation warm-up
             err = rel_err(y_bi, y_cb)
             if ref_bi is None:
                 ref_bi, ref_cb = y_bi[0].clone(), y_cb[0].clone()
-            split_same = bool(torch.equal(y_bi, run_bi_one())) if dev.type == "cuda" else None
             bi_same = bool(torch.equal(y_bi[0], ref_bi))
             cb_same = bool(torch.equal(y_cb[0], ref_cb))
             del y_bi, y_cb
-            cuda_only = (("bi_one", run_bi_one), ("bi_unchunked", run_bi_unchunked))
-            variants = (("bi", run_bi), ("cb", run_cb)) + (cuda_only if dev.type == "cuda" else ())
-            med: dict[str, list[float]] = {key: [] for key, _ in variants}
+            med: dict[str, list[float]] = {"bi": [], "cb": []}
             for rnd in range(2):  # interleaved rounds: drift between them shows up as spread
-                for key, fn in variants:
+                for key, fn in (("bi", run_bi), ("cb", run_cb)):
                     t = timer.run(fn, warmup=warmup if rnd == 0 else int(not big), reps=reps, max_s=max_s)
                     med[key].append(statistics.median(t))
         t_bi, t_cb = statistics.mean(med["bi"]), statistics.mean(med["cb"])
@@ -155,11 +134,6 @@ def bench_shape(shape: Shape, ms: list[int], dev: torch.device, timer: Timer, ar
             "bi_tflops": flops / t_bi / 1e9, "cublas_tflops": flops / t_cb / 1e9,
             "bi_gbs": nbytes / t_bi / 1e6, "cublas_gbs": nbytes / t_cb / 1e6,
             "ratio_bi_over_cublas": t_bi / t_cb,
-            # the K chunks split over programs (the shipped launch at decode sizes) against one program per tile
-            "bi_one_program_per_tile_ms": statistics.mean(med["bi_one"]) if med.get("bi_one") else None,
-            "bi_split_equals_one_program": split_same,
-            # what the fixed K chunks cost where nothing is split (prefill and trainer sizes)
-            "bi_unchunked_ms": statistics.mean(med["bi_unchunked"]) if med.get("bi_unchunked") else None,
             "bi_tiles_128x128": tiles if dev.type == "cuda" else None,
             "rel_err_bi_vs_cublas": err, "bi_row0_bit_identical_to_M1": bi_same, "cublas_row0_bit_identical_to_M1": cb_same,
         })
@@ -176,8 +150,6 @@ def bench_shape(shape: Shape, ms: list[int], dev: torch.device, timer: Timer, ar
         r = rows[-1]
         print(f"  {shape.label:<34} M={M:<6} BI {r['bi_ms_r1']:.4f}/{r['bi_ms_r2']:.4f} ms  cuBLAS "
               f"{r['cublas_ms_r1']:.4f}/{r['cublas_ms_r2']:.4f} ms  ratio {r['ratio_bi_over_cublas']:.2f}  "
-              f"BI one program/tile {r['bi_one_program_per_tile_ms'] or float('nan'):.4f} ms "
-              f"(same bits: {r['bi_split_equals_one_program']}), unchunked {r['bi_unchunked_ms'] or float('nan'):.4f} ms  "
               f"err {err:.1e}  BI row0 same={bi_same} cuBLAS row0 same={cb_same}", flush=True)
     return rows
 
@@ -185,7 +157,7 @@ def bench_shape(shape: Shape, ms: list[int], dev: torch.device, timer: Timer, ar
 def main() -> int:
     ap = base_parser(__doc__, "tiny shapes (debug flavor), M in {1,16,128}: CPU check")
     ap.add_argument("--flavor", default="qwen3_5-9b")
-    ap.add_argument("--m", default="1,16,32,64,128,256,1024,4096,16384", help="row counts (tokens)")
+    ap.add_argument("--m", default="1,16,128,1024,4096,16384", help="row counts (tokens)")
     ap.add_argument("--lm-head", action="store_true", help="also the bf16 LM head (N = vocab)")
     ap.add_argument("--fp32-head-m", default="", help="row counts for the fp32 LM head ('' = skip), e.g. 1,1024,8192")
     add_timing_args(ap, warmup=3, reps=30, max_s=1.0)

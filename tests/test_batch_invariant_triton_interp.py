@@ -223,42 +223,8 @@ def _check_gemm_configs() -> None:
     assert torch.equal(tri.bi_matmul(xf, w.t(), config=cfg), tri.bi_matmul(xf, w.float().t()))
 
 
-def _check_gemm_k_chunks() -> None:
-    """K reduced in chunks of K_CHUNK anchored at 0, folded in ascending order: the one-program kernels, the
-    split-over-programs launch (any number of programs per tile) and TMA give the same bits, which are the
-    plain chunked fold's (each chunk from a fresh fp32 accumulator, one float64 dot per K block rounded to fp32 as
-    the interpreter's dot is), for K below, at and past a chunk with a tail."""
-    import dataclasses
-
-    import torch
-
-    from titan_rl_ext.kernels import batch_invariant_triton as tri
-
-    C = tri.K_CHUNK
-    g = torch.Generator().manual_seed(7)
-    for dtype, K in ((torch.bfloat16, 2 * C + 136), (torch.float32, C), (torch.bfloat16, C - 64)):
-        x = torch.randn(20, K, generator=g).to(dtype)
-        w = torch.randn(24, K, generator=g).to(dtype)
-        cfg = tri.mm_config(20, dtype)
-        y = tri.bi_matmul(x, w.t(), out_dtype=torch.float32, splits=1)
-        want = torch.zeros(20, 24)
-        for lo in range(0, K, C):
-            acc = torch.zeros(20, 24)
-            for k in range(lo, min(lo + C, K), cfg.BLOCK_K):
-                acc = acc + (x[:, k : k + cfg.BLOCK_K].double() @ w[:, k : k + cfg.BLOCK_K].double().t()).float()
-            want = want + acc
-        assert torch.equal(y, want), (dtype, K)
-        for splits in (2, 3, None):
-            assert torch.equal(tri.bi_matmul(x, w.t(), out_dtype=torch.float32, splits=splits), y), (dtype, K, splits)
-        assert torch.equal(tri.bi_matmul(x[5:6], w.t(), out_dtype=torch.float32, splits=3), y[5:6])
-        tma = dataclasses.replace(cfg, tma=True)
-        assert torch.equal(tri.bi_matmul(x, w.t(), out_dtype=torch.float32, config=tma, splits=1), y), (dtype, K)
-        assert torch.equal(tri.bi_matmul(x, w.t(), splits=2), tri.bi_matmul(x, w.t(), splits=1))
-
-
 def _main() -> None:
-    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_gemm_configs,
-                _check_gemm_k_chunks))
+    run_checks((_check_gemm, _check_gemm_grad, _check_rows, _check_gemm_fp32_out, _check_gemm_configs))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ CPU implementations here:
   tensor; their order depends on that dim alone, so they are invariant as long as rows start on
   vector boundaries, which ``elementwise``-style padding of the last dim guarantees.
 
-CUDA (``batch_invariant_triton``, imported lazily): ``mm`` runs the project's own Triton GEMM (one K
-step per dtype, K reduced in fixed chunks folded in ascending order, split over programs only as that
-fixed fold) and ``row_sum_sq`` / ``row_mean_sq`` a one-program-
+CUDA (``batch_invariant_triton``, imported lazily): ``mm`` runs the project's own Triton GEMM (one
+fixed tile config, no split-K, persistent grid) and ``row_sum_sq`` / ``row_mean_sq`` a one-program-
 per-row Triton reduction. Without triton, CUDA tensors take the torch paths below (the tiled GEMM is
 invariant there too: every call has one shape, so the library picks one kernel; just slower).
 """

@@ -3,13 +3,9 @@
 Batch invariance needs every output element to be reduced in one order whatever the other rows are.
 Stock GPU GEMMs break it because their library picks tiles, and often split-K, from M. Here:
 
-- ``bi_matmul``: one K step (``BLOCK_K``) per input dtype, never chosen by M. K is reduced in **chunks** of
-  ``K_CHUNK`` elements anchored at k = 0: a chunk's ``BLOCK_K`` steps accumulate in ascending order into a
-  fresh fp32 tile, and the chunks' tiles are added in ascending order into the output's fp32 sum. So the bits
-  of ``c[m, n]`` depend only on ``a[m, :]``, ``b[:, n]``, K and the dtype, and the chunks can be computed one
-  after the other in one program (prefills, the trainer) or by parallel programs whose partials a second
-  kernel adds in the same order (decode-sized M, where one program per output tile would leave most SMs
-  idle: the fixed-order form of the split-K a vendor GEMM picks from M). The
+- ``bi_matmul``: one K step (``BLOCK_K``) per input dtype, never chosen by M, no split-K. Each output
+  tile is computed by one program that walks K in ``BLOCK_K`` steps in ascending order with an fp32
+  accumulator, so the bits of ``c[m, n]`` depend only on ``a[m, :]``, ``b[:, n]``, K and the dtype. The
   output tile (``BLOCK_M x BLOCK_N``) is smaller for decode-sized M; that changes which program computes
   an output, not how (measured bit-equal on the GPU: ``_SMALL_M_CONFIGS``).
   The grid is persistent (a fixed number of programs loop over the tiles) or one program per tile, and
@@ -78,11 +74,6 @@ _SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, MMConfig], ...]] = {
     torch.float16: ((16, MMConfig(16, 128, 64, 8, 4, 4)), (64, MMConfig(64, 128, 64, 8, 4, 4))),
 }
 ROW_BLOCK_D_MAX = 1024
-# Elements of K per chunk: part of every product's definition (trainer and generator alike); a multiple of
-# every BLOCK_K. 1024 gives the 9B's K = 4096 / 12288 projections 4 / 12 chunks to spread at decode sizes.
-K_CHUNK = 1024
-# The chunks of a launch run in parallel programs when its output tiles fill at most this share of the SMs.
-_SPLIT_TILE_SHARE = 0.5
 
 
 # Per-GPU bf16 tables measured by ``tests/gpu/bi_gemm_tiles.py --table-out``: ``{gpu name: [{"max_m": int,
@@ -146,41 +137,18 @@ def _acc_dot(acc, a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
 
 
-@triton.jit
-def _chunk_acc(a_ptr, b_ptr, rows, cols, mask_m, mask_n, k_lo, K, stride_am, stride_ak, stride_bk, stride_bn,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-               INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One K chunk's product for an output tile: ``BLOCK_K`` steps from ``k_lo`` in ascending order into a
-    fresh fp32 accumulator (the last chunk stops at K's last ``BLOCK_K`` step; masked past K)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(tl.minimum(K - k_lo, K_CHUNK), BLOCK_K)):
-        offs_k = k_lo + kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-        )
-        # b may be narrower than a (a bf16 LM head under fp32 activations): widened per tile, which is
-        # exact, so the bits equal those of a full-width copy of b, without writing that copy
-        b = tl.load(
-            b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn,
-            mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-        ).to(a_ptr.dtype.element_ty)
-        acc = _acc_dot(acc, a, b, INPUT_PRECISION, UPCAST)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _bi_mm_kernel(
     a_ptr, b_ptr, c_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    K_CHUNK: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
     for tile in range(pid, num_pid_m * num_pid_n, num_programs):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -189,56 +157,26 @@ def _bi_mm_kernel(
         mask_n = offs_n < N
         rows = offs_m.to(tl.int64)
         cols = offs_n.to(tl.int64)
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_lo in range(0, K, K_CHUNK):
-            total += _chunk_acc(a_ptr, b_ptr, rows, cols, mask_m, mask_n, k_lo, K, stride_am, stride_ak, stride_bk,
-                                stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, INPUT_PRECISION, UPCAST)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, num_k):
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(
+                a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+            )
+            # b may be narrower than a (a bf16 LM head under fp32 activations): widened per tile, which is
+            # exact, so the bits equal those of a full-width copy of b, without writing that copy
+            b = tl.load(
+                b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn,
+                mask=mask_k[:, None] & mask_n[None, :], other=0.0,
+            ).to(a_ptr.dtype.element_ty)
+            acc = _acc_dot(acc, a, b, INPUT_PRECISION, UPCAST)
         tl.store(
             c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-            total.to(c_ptr.dtype.element_ty),
+            acc.to(c_ptr.dtype.element_ty),
             mask=mask_m[:, None] & mask_n[None, :],
         )
-
-
-@triton.jit(do_not_specialize=["M"])
-def _bi_mm_split_kernel(
-    a_ptr, b_ptr, ws_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNK: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Program ``(tile, p)``: the chunk products ``p, p + P, ...`` of one output tile, each written to the
-    workspace ``[chunks, M, N]`` (fp32) for ``_bi_mm_fold_kernel``."""
-    tile = tl.program_id(0)
-    p = tl.program_id(1)
-    n_split = tl.num_programs(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    rows = offs_m.to(tl.int64)
-    cols = offs_n.to(tl.int64)
-    for c in range(p, tl.cdiv(K, K_CHUNK), n_split):
-        acc = _chunk_acc(a_ptr, b_ptr, rows, cols, mask_m, mask_n, c * K_CHUNK, K, stride_am, stride_ak, stride_bk,
-                         stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK, INPUT_PRECISION, UPCAST)
-        tl.store(ws_ptr + (c * M + rows[:, None]) * N + cols[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _bi_mm_fold_kernel(ws_ptr, c_ptr, M, N, n_chunks, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The chunk products of an output tile added in ascending chunk order into a zero fp32 sum (as the
-    one-program kernels add them), then stored in c's dtype."""
-    tile = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    rows = ((tile // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = ((tile % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c in range(0, n_chunks):
-        total += tl.load(ws_ptr + (c * M + rows[:, None]) * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -246,26 +184,24 @@ def _bi_mm_tma_kernel(
     a_desc, w_desc, c_ptr,
     M, N, K, stride_cm, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    K_CHUNK: tl.constexpr, A_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    A_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """``_bi_mm_kernel`` with both operands through TMA descriptors (out-of-bounds boxes read zeros, so K and
     N tails need no masks): ``a [M, K]`` and the weight ``w [N, K]`` row-major, ``c = a @ w^T``."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
     for tile in range(pid, num_pid_m * num_pid_n, num_programs):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k_lo in range(0, K, K_CHUNK):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in range(0, tl.cdiv(tl.minimum(K - k_lo, K_CHUNK), BLOCK_K)):
-                a = a_desc.load([pid_m * BLOCK_M, k_lo + kb * BLOCK_K])
-                w = w_desc.load([pid_n * BLOCK_N, k_lo + kb * BLOCK_K]).to(A_DTYPE)
-                acc = _acc_dot(acc, a, w.T, INPUT_PRECISION, UPCAST)
-            total += acc
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, num_k):
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            w = w_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).to(A_DTYPE)
+            acc = _acc_dot(acc, a, w.T, INPUT_PRECISION, UPCAST)
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], total.to(c_ptr.dtype.element_ty),
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
@@ -289,7 +225,7 @@ def _tma_weight(b_KN: torch.Tensor) -> torch.Tensor | None:
 
 def bi_matmul(
     a_MK: torch.Tensor, b_KN: torch.Tensor, out_dtype: torch.dtype | None = None,
-    config: MMConfig | None = None, splits: int | None = None,
+    config: MMConfig | None = None,
 ) -> torch.Tensor:
     """``a @ b`` (bf16/fp16/fp32; fp32 accumulation; output in the promoted dtype), batch invariant in M.
     ``b`` may have any strides (a transposed weight is read in place); ``a`` is made contiguous. Mixed
@@ -298,9 +234,7 @@ def bi_matmul(
     ``out_dtype=torch.float32`` with bf16/fp16 operands stores the fp32 accumulator itself (the fp32 LM
     head over bf16 hidden states and weights: tensor-core products, which are exact, and fp32 sums).
     ``config`` overrides the tile configuration ``mm_config`` picks (``tests/gpu/bi_gemm_tiles.py`` measures
-    which configurations give the default's bits). ``splits`` overrides how many parallel programs share an
-    output tile's K chunks (1: one program per tile walks them all; None: from the launch's size); it never
-    changes the bits."""
+    which configurations give the default's bits)."""
     if a_MK.dim() != 2 or b_KN.dim() != 2 or a_MK.shape[1] != b_KN.shape[0]:
         raise ValueError(f"bi_matmul expects [M, K] @ [K, N]; got {tuple(a_MK.shape)} @ {tuple(b_KN.shape)}")
     if a_MK.device != b_KN.device:
@@ -321,26 +255,13 @@ def bi_matmul(
         return c.zero_()
     cfg = config or mm_config(M, dtype, a.device)
     BM, BN, BK = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
-    if K_CHUNK % BK:
-        raise ValueError(f"BLOCK_K {BK} does not divide K_CHUNK {K_CHUNK}: the chunks would not hold whole steps")
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    n_chunks = triton.cdiv(K, K_CHUNK)
-    sms = _num_programs(a.device)
-    if splits is None:
-        splits = min(n_chunks, sms // n_tiles) if n_tiles <= _SPLIT_TILE_SHARE * sms else 1
-    splits = max(1, min(int(splits), n_chunks))
-    kernel_args = dict(
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_CHUNK=K_CHUNK,
+    n_prog = min(_num_programs(a.device), n_tiles) if cfg.persistent else n_tiles
+    common = dict(
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.GROUP_M,
         INPUT_PRECISION=FP32_INPUT_PRECISION if dtype == torch.float32 else "tf32",
         UPCAST=a.device.type != "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        ws = torch.empty(n_chunks, M, N, dtype=torch.float32, device=a.device)
-        _bi_mm_split_kernel[(n_tiles, splits)](a, b, ws, M, N, K, K, 1, b.stride(0), b.stride(1), **kernel_args)
-        _bi_mm_fold_kernel[(n_tiles,)](ws, c, M, N, n_chunks, N, BLOCK_M=BM, BLOCK_N=BN, num_warps=4)
-        return c
-    n_prog = min(sms, n_tiles) if cfg.persistent else n_tiles
-    common = dict(kernel_args, GROUP_M=cfg.GROUP_M)
     w = _tma_weight(b) if cfg.tma and (K * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 else None
     if w is not None:
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -186,13 +186,7 @@ class WeightPusher:
             r = requests.post(f"{url}{path}", params=params, json=body, headers=headers, timeout=self.timeout_s)
         except (requests.RequestException, WeightPushError) as e:
             return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
-        if r.status_code == 200:
-            return {"url": url, "ok": True, "status": 200, "response": r.json()}
-        try:
-            detail: Any = r.json()
-        except ValueError:
-            detail = r.text[:2000]
-        return {"url": url, "ok": False, "status": r.status_code, "error": detail}
+        return _answer(url, r)
 
     def _signed(self, url: str, method: str, path: str, params: Mapping[str, str], boot: str | None = None,
                 content_type: str = OCTET_STREAM) -> dict[str, str]:
@@ -236,10 +230,15 @@ class WeightPusher:
                                   timeout=self.timeout_s)
         except (requests.RequestException, WeightPushError) as e:
             return {"url": url, "ok": False, "status": None, "error": f"{type(e).__name__}: {e}"}
-        if r.status_code == 200:
-            return {"url": url, "ok": True, "status": 200, "response": r.json()}
-        try:
-            detail: Any = r.json()
-        except ValueError:
-            detail = r.text[:2000]
-        return {"url": url, "ok": False, "status": r.status_code, "error": detail}
+        return _answer(url, r)
+
+
+def _answer(url: str, r: Any) -> PushResult:
+    """A server's HTTP answer as a ``PushResult``: its JSON on 200, else the status and what it said."""
+    if r.status_code == 200:
+        return {"url": url, "ok": True, "status": 200, "response": r.json()}
+    try:
+        detail: Any = r.json()
+    except ValueError:
+        detail = r.text[:2000]
+    return {"url": url, "ok": False, "status": r.status_code, "error": detail}

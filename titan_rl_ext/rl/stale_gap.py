@@ -69,6 +69,8 @@ class StaleGap:
 
             if self._base is None:
                 self._base = {n: t.detach().to(self._store, copy=True) for n, t in sd.items() if not is_lora_param(n)}
+                if not self._base:
+                    raise ValueError("StaleGap.remember with LoRA: the first weights kept must include the frozen base")
             sd = {n: t for n, t in sd.items() if is_lora_param(n)}
         self.history[version] = {n: t.detach().to(self._store, copy=True) for n, t in sd.items()}
         for old in sorted(self.history)[:-self.keep]:

@@ -63,6 +63,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,19 +110,22 @@ class _Rollouts:
         return [s for g in self.groups for s in g]
 
 
-def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) titan state dict: the master weights; every rank must call it under FSDP."""
+def _full_state_dict(model: torch.nn.Module, only: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The full (unsharded) titan state dict, or its entries whose names ``only`` accepts: the master weights;
+    every rank must call it with the same ``only`` under FSDP (each entry is a collective)."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()
+            if only is None or only(k)}
 
 
-def _served_state_dict(model: torch.nn.Module, compute: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _served_state_dict(model: torch.nn.Module, compute: torch.dtype | None,
+                       only: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The weights the trainer computes with (``precision.compute_view`` of the master weights): what it pushes,
     checksums against the generators and recomputes stale tokens with. Every rank must call it under FSDP."""
     from titan_rl_ext.models.common.precision import compute_view, fp32_param_names
 
-    return compute_view(_full_state_dict(model), compute, fp32_param_names(model))
+    return compute_view(_full_state_dict(model, only), compute, fp32_param_names(model))
 
 
 class RLTrainer(Trainer):
@@ -147,6 +151,7 @@ class RLTrainer(Trainer):
         task = task_named(rl.task)  # an unknown name fails here, before any model is built
         rl.transport_options()  # so does an unknown transport or a bad option (not the first push, minutes later)
         self._lora = lora_run.setup_lora(config)  # a config the kernels cannot serve exactly fails here
+        self._lora_base_kept = False  # LoRA: whether a push has gathered the frozen base once (``_push``)
         super().__init__(config)
         self.rl_task = task
         self.rl_version = 0
@@ -322,7 +327,16 @@ class RLTrainer(Trainer):
         from titan_rl_ext.rl.metrics import SWAP_LATENCY_S
 
         t0 = time.perf_counter()
-        sd = _served_state_dict(self.model_parts[0], self._compute)
+        # LoRA: once the stale-gap store holds the frozen base (the first full gather), a push gathers the adapters
+        # alone -- a full gather of a 9B model would copy ~18 GB a step to send megabytes. Decided alike on every
+        # rank (each entry of the gather is a collective).
+        only = None
+        if self._lora is not None and self._lora_base_kept:
+            from titan_rl_ext.models.common.lora import is_lora_param
+
+            only = is_lora_param
+        sd = _served_state_dict(self.model_parts[0], self._compute, only)
+        self._lora_base_kept = self._lora is not None
         t_gathered = time.perf_counter()
         if self.rank != 0:
             return {SWAP_LATENCY_S: time.perf_counter() - t0}

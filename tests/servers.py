@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from titan_rl_ext.rl.generator_server import GeneratorServer, free_port, server_env as _env
 
-__all__ = ["free_port", "openai_server", "server_cmd", "server_env"]
+__all__ = ["free_port", "kill_group", "openai_server", "server_cmd", "server_env"]
 
 
 def server_cmd(model_dir: Path, port: int, max_model_len: int, extra: Sequence[str] = ()) -> list[str]:
@@ -30,3 +32,12 @@ def openai_server(
     with GeneratorServer(model_dir, log_path, ["--dtype", "float32", "--max-model-len", str(max_model_len), *extra_args],
                          env or server_env()) as server:
         yield server
+
+
+def kill_group(srv: GeneratorServer) -> None:
+    """SIGKILL a server's whole process group (the API server and its engine core) and reap it."""
+    try:
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    srv.proc.wait()

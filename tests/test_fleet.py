@@ -23,7 +23,6 @@ import asyncio
 import http.client
 import http.server
 import json
-import os
 import signal
 import socketserver
 import threading
@@ -36,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from servers import server_env
+from servers import kill_group, server_env
 from titan_rl_ext.rl.fleet import FleetClient, GeneratorFleet
 from titan_rl_ext.rl.generator_server import GeneratorServer
 from titan_rl_ext.rl.rollout import Generation, GeneratorClient, SamplingConfig
@@ -168,7 +167,7 @@ class Fleet:
         They boot side by side (a boot is ~30 s on CPU), and this returns once all of them answer."""
         fresh = {}
         for i in idx:
-            _kill_group(self.servers[i])
+            kill_group(self.servers[i])
             fresh[i] = GeneratorServer(self.model_dir, self.log_dir / f"server{i}-restart.log", SERVER_ARGS, _env(),
                                        port=self.servers[i].port)
         for i, srv in fresh.items():
@@ -187,14 +186,6 @@ def _freeze_engine(srv: GeneratorServer) -> None:
 
     for child in psutil.Process(srv.proc.pid).children(recursive=True):
         child.send_signal(signal.SIGSTOP)
-
-
-def _kill_group(srv: GeneratorServer) -> None:
-    try:
-        os.killpg(srv.proc.pid, signal.SIGKILL)  # the API server and its engine core
-    except ProcessLookupError:
-        pass
-    srv.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -219,12 +210,12 @@ def fl(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
             assert doc["version"] == 0 and "push_port" not in doc
             fleet.verify(p.url, 0, doc["boot_id"])
         f = Fleet(model_dir, log_dir, servers, proxies, fleet, ref, model, {0: ref})
-        proxies[0].on_kill = lambda: _kill_group(f.servers[0])
+        proxies[0].on_kill = lambda: kill_group(f.servers[0])
         proxies[0].on_freeze = lambda: _freeze_engine(f.servers[0])
         yield f
     finally:
         for s in servers:
-            _kill_group(s)
+            kill_group(s)
 
 
 def _scaled(ref: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:

@@ -23,8 +23,6 @@ version's group and serves it."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +34,7 @@ import pytest
 import torch
 
 from requires import require
-from servers import free_port, server_env
+from servers import free_port, kill_group, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -84,14 +82,6 @@ def _env() -> dict[str, str]:
     return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1")
 
 
-def _kill(srv: Any) -> None:
-    try:
-        os.killpg(srv.proc.pid, signal.SIGKILL)  # the API server and its engine core
-    except ProcessLookupError:
-        pass
-    srv.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     require("vllm")
@@ -121,7 +111,7 @@ def fleet(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield f
     finally:
         for s in f.servers:
-            _kill(s)
+            kill_group(s)
 
 
 @pytest.fixture(scope="module")
@@ -481,7 +471,7 @@ def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch
         calls.append(len(tensors))
         if len(calls) == 2:
             old = f.servers[1]
-            _kill(old)
+            kill_group(old)
             f.servers[1] = GeneratorServer(f.model_dir, f.log_dir / "server1-restart.log", SERVER_ARGS, _env(),
                                            port=old.port)  # boots while v8 goes out again
         return real_pack(tensors)

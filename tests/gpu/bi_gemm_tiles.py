@@ -61,12 +61,21 @@ CANDIDATES: list[MMConfig] = [
     MMConfig(256, 128, 64, 8, 8, 3, persistent=False, tma=True),
     MMConfig(128, 128, 128, 8, 8, 3, tma=True),
     MMConfig(128, 128, 32, 8, 4, 5, persistent=False),
+    # 65-256 rows (decode at B = 128-256): a 128x256 tile leaves 16-32 of 132 SMs busy at N = 4096, each walking
+    # all of K alone; narrower tiles put more programs on the weight stream at the same K order
+    MMConfig(32, 64, 64, 8, 4, 4),
+    MMConfig(64, 64, 64, 8, 4, 4),
+    MMConfig(64, 64, 64, 8, 4, 6),
+    MMConfig(64, 64, 128, 8, 4, 4),
+    MMConfig(128, 64, 64, 8, 4, 4),
+    MMConfig(64, 128, 64, 8, 4, 3, tma=True),
+    MMConfig(64, 256, 64, 8, 8, 3),
 ]
 SHAPES = {  # name: (N, K) of y = x @ W^T, Qwen3.5-9B
     "gdn_in_proj": (12352, 4096), "gdn_out": (4096, 4096), "mlp_w13": (24576, 4096), "mlp_w2": (4096, 12288),
     "attn_qkv": (12288, 4096), "lm_head_fp32out": (248320, 4096),
 }
-BUCKETS = (16, 64, 256, 1024, 1 << 30)  # M <= bound
+BUCKETS = (16, 32, 64, 128, 256, 1024, 1 << 30)  # M <= bound
 
 
 def key(cfg: MMConfig) -> str:

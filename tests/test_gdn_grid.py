@@ -40,8 +40,9 @@ def test_grid_forward_is_the_gated_delta_rule_and_its_backward_the_chunked_forms
     scale = 16**-0.5
     o, final = gdn.gated_delta_rule_grid(q, k, v, g, beta, cu, scale)
     o_ref, final_ref = gdn.recurrent_gated_delta_rule_torch(q, k, v, g, beta, cu, scale)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(final, final_ref, atol=1e-5, rtol=0)
+    # bf16 tensor-core operands (q, k, v, T, W, U, M, S, delta): ~1e-2 on values of order 1
+    torch.testing.assert_close(o, o_ref, atol=5e-2, rtol=0)
+    torch.testing.assert_close(final, final_ref, atol=5e-2, rtol=0)
     ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     with batch_invariant():
         o_bi, _ = gdn.gated_delta_rule_bi(*ins, cu, scale)
@@ -61,7 +62,7 @@ def _grid_kernel(layer: GatedDeltaNet, n_seqs: int) -> tuple[CachedStateRuleKern
     kernel = CachedStateRuleKernel(layer.rule_kernel)
     layer.rule_kernel = kernel
     R = row_layout(cfg.k_head_dim, cfg.v_head_dim)["R"]
-    return kernel, torch.zeros(n_seqs, cfg.n_v_heads, CHUNK, R)
+    return kernel, torch.zeros(n_seqs, cfg.n_v_heads, CHUNK, R, dtype=torch.bfloat16)
 
 
 @torch.no_grad()
@@ -138,7 +139,7 @@ def test_plugin_refuses_what_grid_cannot_serve(grid: None) -> None:
 
 
 def test_plugin_state_layout_follows_the_form(grid: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two state tensors unless BI with ``grid``: then the open-chunk buffer ``(HV, C, 2K + 2V + 4)`` too."""
+    """Two state tensors unless BI with ``grid``: then the open-chunk buffer ``(HV, C, K + V + 4)`` bf16 too."""
     require("vllm")
     from titan_rl_ext.models.qwen3_5.gdn import GDNConfig
     from vllm_titan_plugin.gdn_layer import gdn_state_shapes
@@ -147,7 +148,7 @@ def test_plugin_state_layout_follows_the_form(grid: None, monkeypatch: pytest.Mo
     with batch_invariant(False):
         assert len(gdn_state_shapes(cfg)) == 2
     with batch_invariant():
-        assert gdn_state_shapes(cfg)[2] == (4, CHUNK, 68)
+        assert gdn_state_shapes(cfg)[2] == (4, CHUNK, 36)
     monkeypatch.setenv(gdn.BI_FORM_ENV, "recurrent")
     with batch_invariant():
         assert len(gdn_state_shapes(cfg)) == 2

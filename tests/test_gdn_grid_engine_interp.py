@@ -41,12 +41,13 @@ def _check_strided_slots_and_decodes() -> None:
     torch.manual_seed(0)
     H, HV, K, V, C = 1, 2, 16, 16, cg.CHUNK
     L = cg.row_layout(K, V)
-    n_slots, s_size, b_size = 5, HV * K * V, HV * C * L["R"]
-    pages = torch.zeros(n_slots, s_size + b_size + 37)  # one page a slot, padded as vLLM pads mamba pages
-    S_NHKV = pages[:, :s_size].view(n_slots, HV, K, V)
-    buf_NHCR = pages[:, s_size:s_size + b_size].view(n_slots, HV, C, L["R"])
-    assert not S_NHKV.is_contiguous()
-    S_ref, buf_ref = torch.zeros(n_slots, HV, K, V), torch.zeros(n_slots, HV, C, L["R"])
+    n_slots, s_bytes, b_bytes = 5, HV * K * V * 4, HV * C * L["R"] * 2
+    # one page of bytes a slot (S fp32, then the buffer bf16), padded as vLLM pads mamba pages
+    pages = torch.zeros(n_slots, s_bytes + b_bytes + 148, dtype=torch.uint8)
+    S_NHKV = pages[:, :s_bytes].view(torch.float32).view(n_slots, HV, K, V)
+    buf_NHCR = pages[:, s_bytes:s_bytes + b_bytes].view(torch.bfloat16).view(n_slots, HV, C, L["R"])
+    assert not S_NHKV.is_contiguous() and not buf_NHCR.is_contiguous()
+    S_ref, buf_ref = cg.new_state(n_slots, HV, K, V)
     kernel = gdn_slots.CachedStateRuleKernel(GatedDeltaRuleKernel())
     scale = K**-0.5
     done = {3: 0, 1: 0}  # slot -> tokens seen
@@ -79,9 +80,10 @@ def _check_strided_slots_and_decodes() -> None:
     for _ in range(3):
         step({3: 1, 1: 1}, decode_only=True)
     assert torch.equal(S_NHKV[[1, 3]], S_ref[[1, 3]])
-    for s in (1, 3):  # the open chunk's rows (not the decode's scratch columns a, m)
+    for s in (1, 3):  # the open chunk's rows, as integers (an fp32 g's low half may read as a bf16 NaN)
         rows = done[s] % C
-        assert torch.equal(buf_NHCR[s, :, :rows, :L["A"]], buf_ref[s, :, :rows, :L["A"]])
+        assert torch.equal(buf_NHCR[s, :, :rows].view(torch.int16), buf_ref[s, :, :rows].view(torch.int16))
+
 
 if __name__ == "__main__":
     run_checks((_check_strided_slots_and_decodes,))

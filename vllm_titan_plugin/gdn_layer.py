@@ -7,7 +7,7 @@ across steps) with both caches handed over whole and the step's slots bound to t
 kernels (``CachedStateConvKernel``, ``CachedStateRuleKernel``): each reads and writes its state by slot, in
 place where its kernel can (else it gathers the slots, zeroing those without prior state, and scatters back).
 Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first; with
-``TITAN_GDN_BI_FORM=grid`` (batch invariant) a third tensor, the chunk grid's open-chunk buffer ``(HV, C, R)``.
+``TITAN_GDN_BI_FORM=grid`` (batch invariant) a third tensor, the chunk grid's open-chunk buffer ``(HV, C, R)`` bf16.
 """
 
 from __future__ import annotations
@@ -17,22 +17,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from titan_rl_ext.kernels import batch_invariant as bi
-from titan_rl_ext.kernels.gdn import bi_form
 from titan_rl_ext.kernels.gdn_chunk_grid import CHUNK, row_layout
 from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaNet, GDNConfig, GDNState
 from vllm_titan_plugin import compat
-from vllm_titan_plugin.gdn_slots import CachedStateConvKernel, CachedStateRuleKernel
+from vllm_titan_plugin.gdn_slots import CachedStateConvKernel, CachedStateRuleKernel, grid_state
 
 # attribute under which the wrapper holds the titan layer (parameter names gain this segment)
 INNER = "layer"
-
-
-def grid_state() -> bool:
-    """Whether the GDN layers carry the chunk grid's open-chunk buffer as a third state tensor: batch-invariant
-    mode with ``TITAN_GDN_BI_FORM=grid`` (read by the model class's classmethods, before any layer exists)."""
-    return bi.is_batch_invariant() and bi_form() == "grid"
 
 
 def gdn_state_shapes(cfg: GDNConfig) -> tuple[tuple[int, ...], ...]:
@@ -46,12 +38,12 @@ def gdn_state_shapes(cfg: GDNConfig) -> tuple[tuple[int, ...], ...]:
 def gdn_state_dtypes(vllm_config: Any) -> tuple[torch.dtype, ...]:
     """conv state in the activation dtype, ssm state fp32 -- the titan layer's own contract -- unless
     ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` ask for something else explicitly; the grid's buffer
-    always fp32 (``checks.gdn_bi_form_problem`` refuses another ssm dtype with it)."""
+    always bf16 (its raw rows; ``checks.gdn_bi_form_problem`` refuses an ssm dtype other than fp32 with it)."""
     cache = vllm_config.cache_config
     model_dtype = compat.torch_dtype(vllm_config.model_config.dtype)
     conv = model_dtype if cache.mamba_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_cache_dtype)
     ssm = torch.float32 if cache.mamba_ssm_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_ssm_cache_dtype)
-    return (conv, ssm, torch.float32) if grid_state() else (conv, ssm)
+    return (conv, ssm, torch.bfloat16) if grid_state() else (conv, ssm)
 
 
 class VllmGatedDeltaNet(nn.Module, compat.MambaBase):

@@ -19,6 +19,13 @@ from titan_rl_ext.models.common.batch import SeqBatch
 from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaRuleKernel
 
 
+def grid_state() -> bool:
+    """Whether the engine runs ``TITAN_GDN_BI_FORM=grid``: batch-invariant mode with that form. Its GDN layers then
+    carry the chunk grid's open-chunk buffer as a third state tensor (read by the model class's classmethods,
+    before any layer exists) and their rule kernels step the grid."""
+    return bi.is_batch_invariant() and bi_form() == "grid"
+
+
 def grid_runs_kernels(q_THK: torch.Tensor) -> bool:
     """Whether an engine's grid step runs the Triton kernels (CUDA) or the plain-PyTorch fixed order (elsewhere, as
     the trainer's forward does there); a function so that interpreter checks can take the kernels' branch on CPU."""
@@ -142,7 +149,7 @@ class CachedStateRuleKernel(_SlotBound):
 
     def qk_dtype(self, q_THK: torch.Tensor, v_THV: torch.Tensor, n_seqs: int, state: torch.Tensor | None) -> torch.dtype:
         """fp32 where the project's kernel runs the call on the cache in place, else ``base``'s choice."""
-        if bi.is_batch_invariant() and bi_form() == "grid":
+        if grid_state():
             return torch.float32  # as the trainer's grid forward reads them (``GatedDeltaRuleKernel.qk_dtype``)
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
         if self._slots is not None and state is not None and self._in_place(q_THK, v_THV, state, mode):
@@ -187,7 +194,7 @@ class CachedStateRuleKernel(_SlotBound):
         slots, keep = self._slots, self._keep
         if slots is None or state is None:  # no cache bound (a profiling run): the plain kernel
             return self.base(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
-        if bi.is_batch_invariant() and bi_form() == "grid":
+        if grid_state():
             return self._grid_step(q_THK, k_THK, v_THV, g_TH, beta_TH, batch, scale, state)
         mode: GDNMode = "recurrent" if bi.is_batch_invariant() else self.base.mode
         if self._in_place(q_THK, v_THV, state, mode):
@@ -231,11 +238,11 @@ class CachedStateRuleKernel(_SlotBound):
             fresh = torch.where(keep[:, None, None, None], S.index_select(0, slots), torch.zeros((), device=S.device))
             S.index_copy_(0, slots, fresh)
         if not grid_runs_kernels(q_THK):
-            o = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, buf, pos_N.tolist(),
-                                 slots.tolist())
+            o, _ = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, buf, pos_N.tolist(),
+                                    slots.tolist())
             return o.to(v_THV.dtype), S
         # the kernels address whole rows of contiguous caches; vLLM's mamba pages interleave the state tensors, so
-        # there the step's rows are gathered and scattered (a copy of each sequence's ~6 MiB per layer at the 9B)
+        # there the step's rows are gathered and scattered (a copy of each sequence's ~3 MiB per layer at the 9B)
         in_place = S.is_contiguous() and buf.is_contiguous()
         S_rows, buf_rows = (S, buf) if in_place else (S.index_select(0, slots), buf.index_select(0, slots))
         if T == N and keep is None:  # decode-only: one token a sequence, positions and slots stay on the device

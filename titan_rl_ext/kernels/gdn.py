@@ -394,45 +394,14 @@ def grid_shape_problem(n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_d
 def grid_steps_torch(
     q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor,
     cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor, pos: list[int], slots: list[int],
-) -> torch.Tensor:
-    """The grid rule in plain PyTorch (``gdn_chunk_grid.decode_step_torch``, token after token), continued from each
-    sequence's state rows ``slots[n]`` at ``pos[n]`` tokens seen; ``S``/``buf`` advanced in place, ``o [T, HV, V]``
-    fp32. The CPU form of both the trainer's packed forward and an engine's steps: one function, so that their
-    bits match whatever the step layout (row views keep the state where the engine holds it, strided or not)."""
-    from titan_rl_ext.kernels.gdn_chunk_grid import decode_step_torch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid rule in plain PyTorch (``gdn_chunk_grid.prefill_torch``), continued from each sequence's state rows
+    ``slots[n]`` at ``pos[n]`` tokens seen; ``S``/``buf`` advanced in place: ``(o [T, HV, V] fp32, final)``. The CPU
+    form of both the trainer's packed forward and an engine's steps: one function, so that their bits match
+    whatever the step layout (row views keep the state where the engine holds it, strided or not)."""
+    from titan_rl_ext.kernels.gdn_chunk_grid import prefill_torch
 
-    o = torch.empty(v_THV.shape, dtype=torch.float32, device=v_THV.device)
-    for n, slot in enumerate(slots):
-        S_row, buf_row = S[slot:slot + 1], buf[slot:slot + 1]
-        for t in range(cu_seqlens[n], cu_seqlens[n + 1]):
-            sl = slice(t, t + 1)
-            o[sl] = decode_step_torch(q_THK[sl], k_THK[sl], v_THV[sl], g_TH[sl], beta_TH[sl], scale, S_row, buf_row,
-                                      [pos[n] + t - cu_seqlens[n]])
-    return o
-
-
-def _fold_open_torch(S: torch.Tensor, buf: torch.Tensor, pos: list[int]) -> torch.Tensor:
-    """Each sequence's state after its last token (``[N, HV, K, V]``): its ``S`` row where the sequence ends on a
-    chunk boundary, else the open chunk folded in as the grid's fold does, rows in order."""
-    from titan_rl_ext.kernels.gdn_chunk_grid import row_layout
-
-    K, V = S.shape[2:]
-    L = row_layout(K, V)
-    C = buf.shape[2]
-    finals = []
-    for n, p in enumerate(pos):
-        m = p % C
-        if m == 0:
-            finals.append(S[n].clone())
-            continue
-        rows = buf[n]
-        G_last = rows[:, m - 1, L["G"]]
-        acc = torch.exp(G_last)[:, None, None] * S[n]
-        for j in range(m):
-            kd = torch.exp(G_last - rows[:, j, L["G"]])[:, None] * rows[:, j, L["K"]:L["K"] + K]
-            acc = acc + kd[:, :, None] * rows[:, j, None, L["D"]:L["D"] + V]
-        finals.append(acc)
-    return torch.stack(finals) if finals else S.new_zeros(0, *S.shape[1:])
+    return prefill_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, S, buf, pos, slots)
 
 
 def gated_delta_rule_grid(
@@ -440,7 +409,7 @@ def gated_delta_rule_grid(
     scale: float, initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole sequences from ``initial_state`` (zeros by default) on the chunk grid: the Triton kernels on CUDA, the
-    same fixed order in plain PyTorch elsewhere (the interpreter is a test tool, not a CPU path): ``(o in v's dtype,
+    same tiles in plain PyTorch elsewhere (the interpreter is a test tool, not a CPU path): ``(o in v's dtype,
     final [N, HV, K, V])``."""
     from titan_rl_ext.kernels.gdn_chunk_grid import gated_delta_rule_chunk_grid, new_state
 
@@ -450,9 +419,8 @@ def gated_delta_rule_grid(
         return gated_delta_rule_chunk_grid(q, k, v, g, beta, bounds, scale, initial_state)
     N = len(bounds) - 1
     S, buf = new_state(N, v.shape[1], q.shape[2], v.shape[2], device=v.device, initial_state=initial_state)
-    o = grid_steps_torch(q, k, v, g, beta, bounds, scale, S, buf, [0] * N, list(range(N)))
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    return o.to(v.dtype), _fold_open_torch(S, buf, lengths)
+    o, final = grid_steps_torch(q, k, v, g, beta, bounds, scale, S, buf, [0] * N, list(range(N)))
+    return o.to(v.dtype), final
 
 
 class _RecurrentForwardChunkBackward(torch.autograd.Function):

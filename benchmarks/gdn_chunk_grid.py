@@ -308,7 +308,7 @@ def _compile_report(arch: int) -> list[dict[str, Any]]:
                                                          "fp32" if a == "scale" else "i32") for a in fn.arg_names}
         t0 = time.perf_counter()
         kern = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": cg.NUM_WARPS[name]})
+                              options={"num_warps": cg.NUM_WARPS[name], "enable_fp_fusion": True})
         ptx = kern.asm["ptx"]
         row: dict[str, Any] = {"kernel": name, "num_warps": cg.NUM_WARPS[name], "compile_s": time.perf_counter() - t0,
                                # reads through the non-coherent path would not see this program's own writes

@@ -16,7 +16,7 @@ L2-normalised, g/beta formed, as ``kernels.gdn`` makes them::
     G      = cumsum(g)                                          (over the chunk's rows)
     A      = strictly_lower(beta_i exp(G_i - G_l) (k_i . k_l))   one [C, C] product k k^T
     T      = (I + A)^-1                                         16-row diagonal blocks by forward substitution,
-                                                                the blocks below by block substitution (fp32)
+                                                                the blocks below by block substitution (tf32)
     W      = T (k * beta exp(G)),   U = T (v * beta)            bf16 operands, then stored bf16
     delta  = U - W S                                            (S as bf16 operand)
     o      = scale (exp(G) * (q S) + M delta),  M = lower_incl(exp(G_i - G_j) (q_i . k_j))   (M bf16)
@@ -53,7 +53,9 @@ import torch
 
 CHUNK = 64
 BV = 32  # value columns per chain program: 4 programs per head at V = 128
-# warps per kernel, fixed: every call (prefill, continued prefill, decode) compiles the same two kernels
+# warps per kernel, fixed: every call (prefill, continued prefill, decode) compiles the same two kernels. At the 9B's
+# heads ptxas (sm_90a) reports 255 registers and ~0.7 KB of spill stores for intra at 8 warps (more at 4), none for
+# chain (``benchmarks/gdn_chunk_grid.py --compile-only``)
 NUM_WARPS = {"intra": 8, "chain": 4}
 
 

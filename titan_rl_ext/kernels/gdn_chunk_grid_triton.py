@@ -45,17 +45,20 @@ SUB = tl.constexpr(16)  # side of the diagonal blocks inverted by forward substi
 
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
-    """``a @ b`` with fp32 accumulation: bf16 operands on tensor cores, fp32 ones at full precision."""
+    """``a @ b`` on tensor cores with fp32 accumulation: bf16 operands, or fp32 ones as tf32 (the inverse's block
+    merges, whose result is rounded to bf16 after: tf32's 2^-11 is below that rounding; an exact fp32 dot would
+    run on CUDA cores, each thread holding whole rows and columns: hundreds of registers)."""
     if UPCAST:
         return tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision="tf32")
 
 
 @triton.jit
 def _solve_unit_lower(a_base, C: tl.constexpr, UPCAST: tl.constexpr):
     """``T = (I + A)^-1`` in place of the strictly lower ``A [C, C]`` at ``a_base`` (fp32, row-major): each
     ``SUB``-row diagonal block by forward substitution, the blocks below it by block forward substitution
-    ``T_ij = -T_ii (sum_{j <= m < i} A_im T_mj)`` as one fp32 dot over the row block's columns left of the diagonal.
+    ``T_ij = -T_ii (sum_{j <= m < i} A_im T_mj)`` as one dot (tf32: ``_dot``) over the row block's columns left of
+    the diagonal.
     Entries above the diagonal are left as they were: readers mask them."""
     o_s = tl.arange(0, SUB)
     offs_c = tl.arange(0, C)
@@ -66,7 +69,7 @@ def _solve_unit_lower(a_base, C: tl.constexpr, UPCAST: tl.constexpr):
         # row block bi of A left of its diagonal block (rows of T above it are final)
         A_row = tl.load(a_base + rows[:, None] * C + offs_c[None, :], mask=offs_c[None, :] < bi * SUB, other=0.0)
         T_ii = eye
-        for i in tl.static_range(1, SUB):
+        for i in range(1, SUB):
             # T[i, :] = e_i - sum_{l < i} A[i, l] T[l, :] (A[i, l >= i] is zero: later rows add exact zeros)
             a_i = tl.reduce(tl.where(o_s[:, None] == i, A_ii, 0.0), 0, _ADD)  # row i (one-hot: exact)
             t_i = -tl.reduce(a_i[:, None] * T_ii, 0, _ADD)
@@ -109,36 +112,26 @@ def _intra_kernel(
     p_vh = rows_h + offs_c[:, None] * R + K + offs_v[None, :]
     p_gf = rows_f + offs_c * (R // 2) + (K + V) // 2
     k_in = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=new[:, None], other=0.0)
-    v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
     k_in = k_in.to(tl.bfloat16)
-    v_in = v_in.to(tl.bfloat16)
     g_in = tl.load(g_ptr + tok * sg_t + hv, mask=new, other=0.0).to(tl.float32)
     b_in = tl.load(beta_ptr + tok * sb_t + hv, mask=new, other=0.0).to(tl.float32)
     k = tl.where(old[:, None], tl.load(p_kh, mask=old[:, None], other=0.0), k_in)
-    v = tl.where(old[:, None], tl.load(p_vh, mask=old[:, None], other=0.0), v_in)
     g = tl.where(old, tl.load(p_gf, mask=old, other=0.0), g_in)
     beta = tl.where(old, tl.load(p_gf + 1, mask=old, other=0.0), b_in)
-    if tl.load(save_ptr + c) != 0:  # the sequence ends in this open chunk: its new rows join the buffer
+    save = tl.load(save_ptr + c) != 0  # the sequence ends in this open chunk: its new rows join the buffer
+    if save:
         tl.store(p_kh, k_in, mask=new[:, None])
-        tl.store(p_vh, v_in, mask=new[:, None])
         tl.store(p_gf, g_in, mask=new)
         tl.store(p_gf + 1, b_in, mask=new)
     G = tl.cumsum(g, 0)
     base = c * HV + hv
     tl.store(gs_ptr + base * C + offs_c, G)
+    # the products of k first, so that few tiles stay live across the inverse (register pressure)
     decay = tl.exp(G[:, None] - G[None, :])  # > 1 only above the diagonal, where it is masked off
     A = _dot(k, tl.trans(k), UPCAST)
     A = tl.where(offs_c[:, None] > offs_c[None, :], (beta[:, None] * decay) * A, 0.0)
     a_base = a_ptr + base * C * C
     tl.store(a_base + offs_c[:, None] * C + offs_c[None, :], A)
-    tl.debug_barrier()
-    _solve_unit_lower(a_base, C, UPCAST)
-    T = tl.load(a_base + offs_c[:, None] * C + offs_c[None, :], mask=offs_c[:, None] >= offs_c[None, :], other=0.0)
-    T = T.to(tl.bfloat16)
-    W = _dot(T, (k.to(tl.float32) * (beta * tl.exp(G))[:, None]).to(tl.bfloat16), UPCAST)
-    U = _dot(T, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16), UPCAST)
-    tl.store(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], W.to(tl.bfloat16))
-    tl.store(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :], U.to(tl.bfloat16))
     # output weights: rows before r0 have no query here (their outputs were made when they came)
     q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + offs_k[None, :], mask=new[:, None], other=0.0)
     M = tl.where(offs_c[:, None] >= offs_c[None, :], decay * _dot(q.to(tl.bfloat16), tl.trans(k), UPCAST), 0.0)
@@ -147,6 +140,19 @@ def _intra_kernel(
     G_end = tl.reduce(tl.where(offs_c == r1 - 1, G, 0.0), 0, _ADD)  # one-hot: exact
     kg = k.to(tl.float32) * tl.exp(G_end - G)[:, None]
     tl.store(kg_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], kg.to(tl.bfloat16))
+    tl.debug_barrier()
+    _solve_unit_lower(a_base, C, UPCAST)
+    T = tl.load(a_base + offs_c[:, None] * C + offs_c[None, :], mask=offs_c[:, None] >= offs_c[None, :], other=0.0)
+    T = T.to(tl.bfloat16)
+    W = _dot(T, (k.to(tl.float32) * (beta * tl.exp(G))[:, None]).to(tl.bfloat16), UPCAST)
+    tl.store(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], W.to(tl.bfloat16))
+    v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
+    v_in = v_in.to(tl.bfloat16)
+    v = tl.where(old[:, None], tl.load(p_vh, mask=old[:, None], other=0.0), v_in)
+    if save:
+        tl.store(p_vh, v_in, mask=new[:, None])
+    U = _dot(T, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16), UPCAST)
+    tl.store(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :], U.to(tl.bfloat16))
 
 
 @triton.jit(do_not_specialize=["scale", "sq_t", "sq_h", "so_t", "so_h", "has_final"])
@@ -212,6 +218,9 @@ def run_kernels(
     N = plan["seq_slot"].shape[0]
     dev, bf16 = v.device, torch.bfloat16
     upcast = dev.type != "cuda"
+    # contraction pinned, not left to Triton's default (an environment variable): every process that computes the
+    # grid -- trainer and generators -- must compile the same kernels
+    opts = {} if upcast else {"enable_fp_fusion": True}
     w = torch.empty(n_chunks, HV, C, K, dtype=bf16, device=dev)
     u = torch.empty(n_chunks, HV, C, V, dtype=bf16, device=dev)
     kg = torch.empty(n_chunks, HV, C, K, dtype=bf16, device=dev)
@@ -222,10 +231,11 @@ def run_kernels(
         q, k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], plan["save"], buf,
         buf.view(torch.float32), w, u, m, kg, gs, a,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        H=H, HV=HV, K=K, V=V, C=C, R=R, UPCAST=upcast, num_warps=num_warps["intra"],
+        H=H, HV=HV, K=K, V=V, C=C, R=R, UPCAST=upcast, num_warps=num_warps["intra"], **opts,
     )
     _chain_kernel[(N, HV, V // BV)](
         q, plan["tok"], plan["r0"], plan["r1"], plan["first"], plan["seq_slot"], w, u, m, kg, gs, S,
         S if final is None else final, o, scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         int(final is not None), H=H, HV=HV, K=K, V=V, BV=BV, C=C, UPCAST=upcast, num_warps=num_warps["chain"],
+        **opts,
     )

@@ -237,8 +237,13 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     o_w, fin_w = cg.prefill(*qkvgb, [0, T], scale, *whole)
 
     def same(st: tuple[torch.Tensor, torch.Tensor], o: torch.Tensor, fin: torch.Tensor) -> bool:
-        return bool(torch.equal(o, o_w) and torch.equal(fin, fin_w) and torch.equal(st[0], whole[0])
-                    and _same_rows(st[1], whole[1], T % chunk))
+        parts_ok = {"outputs": torch.equal(o, o_w), "final_state": torch.equal(fin, fin_w),
+                    "boundary_state": torch.equal(st[0], whole[0]),
+                    "open_rows": _same_rows(st[1], whole[1], T % chunk)}
+        if not all(parts_ok.values()):  # which part, and from which token on the outputs differ
+            bad = (o != o_w).flatten(1).any(1).nonzero()
+            print(f"bits differ: {parts_ok}, first differing output row {bad[0].item() if len(bad) else None}")
+        return all(parts_ok.values())
 
     out: dict[str, bool] = {}
     cuts = [c for c in (1, chunk - 1, chunk, chunk + 1, 2 * chunk + 2) if c < T]

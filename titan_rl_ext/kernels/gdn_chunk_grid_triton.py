@@ -1,13 +1,15 @@
 """Triton kernels of the chunk-grid gated delta rule (``kernels.gdn_chunk_grid`` has the definition, the layouts and
 the public API; this module only launches).
 
-Two kernels, and every call -- a packed prefill, a prefill continued mid-chunk, a decode step -- runs these same two
-compiled kernels on whole ``C``-row chunk tiles (the same constexprs, ``num_warps`` and tile shapes, so the same
-layouts and the same order inside every ``tl.dot`` and reduction):
+Two kernels of arithmetic, and every call -- a packed prefill, a prefill continued mid-chunk, a decode step -- runs
+these same two compiled kernels on whole ``C``-row chunk tiles (the same constexprs, ``num_warps`` and tile shapes,
+so the same layouts and the same order inside every ``tl.dot`` and reduction):
 
 - ``_intra_kernel``, program (chunk, value head): the chunk's rows (earlier rows of an open chunk from the state
   buffer, the call's rows from its inputs, zeros after), ``G``, ``A``, ``T = (I + A)^-1``, ``W``, ``U``, the output
-  weights ``M`` and the fold's scaled keys, into scratch; the call's rows of an open chunk into the buffer.
+  weights ``M`` and the fold's scaled keys, into scratch;
+- ``_save_kernel``, program (chunk, value head): the call's rows of a sequence's last, open chunk into the buffer
+  (after every ``_intra_kernel`` program has read the earlier rows there);
 - ``_chain_kernel``, program (sequence, value head, ``BV`` value columns): the sequence's chunks in order --
   ``delta = U - W S``, the outputs, the fold into ``S`` at complete chunks, the state after the last token.
 
@@ -84,9 +86,21 @@ def _solve_unit_lower(a_base, C: tl.constexpr, UPCAST: tl.constexpr):
         tl.debug_barrier()
 
 
-@triton.jit(do_not_specialize=["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"])
+# Triton compiles a variant per pointer alignment (16-byte or not) and per integer equal to 1 / divisible by 16; a
+# variant may give a loaded tile another register layout, and with it another order inside ``tl.cumsum`` and the
+# substitution's ``tl.reduce`` -- so a prompt continued from a slice at an odd token would round differently from
+# the whole prompt (an engine's q/k/v are views at whatever offset the step's layout gives). Every pointer and
+# stride is left unspecialised: one compiled kernel for every call.
+_INTRA_PTRS = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "tok_ptr", "r0_ptr", "r1_ptr", "slot_ptr", "bufh_ptr",
+               "buff_ptr", "w_ptr", "u_ptr", "m_ptr", "kg_ptr", "gs_ptr", "a_ptr"]
+_CHAIN_PTRS = ["q_ptr", "tok_ptr", "r0_ptr", "r1_ptr", "first_ptr", "slot_ptr", "w_ptr", "u_ptr", "m_ptr", "kg_ptr",
+               "gs_ptr", "s_ptr", "final_ptr", "o_ptr"]
+
+
+@triton.jit(do_not_specialize=["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"],
+            do_not_specialize_on_alignment=_INTRA_PTRS + ["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"])
 def _intra_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, save_ptr, bufh_ptr, buff_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, bufh_ptr, buff_ptr,
     w_ptr, u_ptr, m_ptr, kg_ptr, gs_ptr, a_ptr,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
@@ -118,11 +132,6 @@ def _intra_kernel(
     k = tl.where(old[:, None], tl.load(p_kh, mask=old[:, None], other=0.0), k_in)
     g = tl.where(old, tl.load(p_gf, mask=old, other=0.0), g_in)
     beta = tl.where(old, tl.load(p_gf + 1, mask=old, other=0.0), b_in)
-    save = tl.load(save_ptr + c) != 0  # the sequence ends in this open chunk: its new rows join the buffer
-    if save:
-        tl.store(p_kh, k_in, mask=new[:, None])
-        tl.store(p_gf, g_in, mask=new)
-        tl.store(p_gf + 1, b_in, mask=new)
     G = tl.cumsum(g, 0)
     base = c * HV + hv
     tl.store(gs_ptr + base * C + offs_c, G)
@@ -149,13 +158,47 @@ def _intra_kernel(
     v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
     v_in = v_in.to(tl.bfloat16)
     v = tl.where(old[:, None], tl.load(p_vh, mask=old[:, None], other=0.0), v_in)
-    if save:
-        tl.store(p_vh, v_in, mask=new[:, None])
     U = _dot(T, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16), UPCAST)
     tl.store(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :], U.to(tl.bfloat16))
 
 
-@triton.jit(do_not_specialize=["scale", "sq_t", "sq_h", "so_t", "so_h", "has_final"])
+@triton.jit(do_not_specialize=["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"])
+def _save_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, save_ptr, bufh_ptr, buff_ptr,
+    sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+):
+    """The call's rows of each sequence's last, open chunk into its buffer. A launch of its own, after
+    ``_intra_kernel``: a call that continues one open chunk and ends in another reads the first's earlier rows
+    from the same buffer rows the second's new rows go to, and programs of one launch run in no set order."""
+    c = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    if tl.load(save_ptr + c) != 0:
+        h = hv // (HV // H)
+        t0 = tl.load(tok_ptr + c).to(tl.int64)
+        r0 = tl.load(r0_ptr + c)
+        r1 = tl.load(r1_ptr + c)
+        slot = tl.load(slot_ptr + c).to(tl.int64)
+        offs_c = tl.arange(0, C)
+        offs_k = tl.arange(0, K)
+        offs_v = tl.arange(0, V)
+        new = (offs_c >= r0) & (offs_c < r1)
+        tok = t0 + (offs_c - r0).to(tl.int64)
+        rows_h = bufh_ptr + (slot * HV + hv) * C * R
+        rows_f = buff_ptr + (slot * HV + hv) * C * (R // 2)
+        k_in = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=new[:, None], other=0.0)
+        v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
+        g_in = tl.load(g_ptr + tok * sg_t + hv, mask=new, other=0.0).to(tl.float32)
+        b_in = tl.load(beta_ptr + tok * sb_t + hv, mask=new, other=0.0).to(tl.float32)
+        tl.store(rows_h + offs_c[:, None] * R + offs_k[None, :], k_in.to(tl.bfloat16), mask=new[:, None])
+        tl.store(rows_h + offs_c[:, None] * R + K + offs_v[None, :], v_in.to(tl.bfloat16), mask=new[:, None])
+        p_gf = rows_f + offs_c * (R // 2) + (K + V) // 2
+        tl.store(p_gf, g_in, mask=new)
+        tl.store(p_gf + 1, b_in, mask=new)
+
+
+@triton.jit(do_not_specialize=["scale", "sq_t", "sq_h", "so_t", "so_h", "has_final"],
+            do_not_specialize_on_alignment=_CHAIN_PTRS + ["sq_t", "sq_h", "so_t", "so_h", "has_final"])
 def _chain_kernel(
     q_ptr, tok_ptr, r0_ptr, r1_ptr, first_ptr, slot_ptr, w_ptr, u_ptr, m_ptr, kg_ptr, gs_ptr, s_ptr, final_ptr,
     o_ptr, scale, sq_t, sq_h, so_t, so_h, has_final,
@@ -228,10 +271,15 @@ def run_kernels(
     gs = torch.empty(n_chunks, HV, C, dtype=torch.float32, device=dev)
     a = torch.empty(n_chunks, HV, C, C, dtype=torch.float32, device=dev)
     _intra_kernel[(n_chunks, HV)](
-        q, k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], plan["save"], buf,
+        q, k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], buf,
         buf.view(torch.float32), w, u, m, kg, gs, a,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         H=H, HV=HV, K=K, V=V, C=C, R=R, UPCAST=upcast, num_warps=num_warps["intra"], **opts,
+    )
+    _save_kernel[(n_chunks, HV)](
+        k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], plan["save"], buf, buf.view(torch.float32),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        H=H, HV=HV, K=K, V=V, C=C, R=R, num_warps=4,
     )
     _chain_kernel[(N, HV, V // BV)](
         q, plan["tok"], plan["r0"], plan["r1"], plan["first"], plan["seq_slot"], w, u, m, kg, gs, S,

@@ -108,6 +108,7 @@ def test_gemm_tile_table_is_read_per_gpu(tmp_path, monkeypatch: pytest.MonkeyPat
 
     tri = pytest.importorskip("titan_rl_ext.kernels.batch_invariant_triton")
     table = {"GPU A": [{"max_m": 16, "config": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 8}},
+                       {"max_m": 256, "max_n": 4096, "config": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}},
                        {"max_m": 1 << 30, "config": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "tma": True,
                                                      "persistent": False}}]}
     path = tmp_path / "tables.json"
@@ -120,6 +121,11 @@ def test_gemm_tile_table_is_read_per_gpu(tmp_path, monkeypatch: pytest.MonkeyPat
         assert tri.mm_config(1, torch.bfloat16, cuda) == tri.MMConfig(16, 32, 64, num_stages=8)
         big = tri.mm_config(8192, torch.bfloat16, cuda)
         assert (big.BLOCK_N, big.tma, big.persistent) == (256, True, False)
+        # a row with max_n serves only outputs that narrow, and only where N is known
+        assert tri.mm_config(200, torch.bfloat16, cuda, N=4096) == tri.MMConfig(64, 64, 128)
+        assert tri.mm_config(200, torch.bfloat16, cuda, N=4097).BLOCK_N == 256
+        assert tri.mm_config(200, torch.bfloat16, cuda).BLOCK_N == 256
+        assert tri.mm_config(300, torch.bfloat16, cuda, N=4096).BLOCK_N == 256
         assert tri.mm_config(8192, torch.float32, cuda) == tri._MM_CONFIGS[torch.float32]  # bf16 only
         monkeypatch.setattr(tri, "_gpu_name", lambda device: "GPU B")
         assert tri.mm_config(1, torch.bfloat16, cuda) == tri._SMALL_M_CONFIGS[torch.bfloat16][0][1]

@@ -78,6 +78,71 @@ SHAPES = {  # name: (N, K) of y = x @ W^T, Qwen3.5-9B
 BUCKETS = (16, 32, 64, 128, 256, 1024, 1 << 30)  # M <= bound
 
 
+NARROW_N = 4096  # the projections whose output is the model width (mlp.w2, the GDN/attention out projections)
+
+
+def _at(by_m: dict[Any, float], m: int) -> float:
+    """A per-M figure, keyed by int in a live run and by str once read back from JSON."""
+    return by_m[m] if m in by_m else by_m[str(m)]
+
+
+def _bucket_rows(res: dict[str, Any], names: list[str], ms: list[int]) -> dict[str, float]:
+    """Total time over ``names`` x ``ms`` of every configuration bit-equal on every measured shape."""
+    totals: dict[str, float] = {}
+    keys = set.intersection(*(set(s["configs"]) for s in res["shapes"].values()))
+    for k in sorted(keys):
+        if all(s["configs"][k].get("equal_bits") for s in res["shapes"].values()):
+            totals[k] = sum(_at(res["shapes"][n]["configs"][k]["us"], m) for n in names for m in ms)
+    return totals
+
+
+def propose(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """One configuration per M bucket (least total time over the shapes), and before it, where it pays >= 5 %, one
+    for the bucket's narrow shapes (N <= NARROW_N) alone. Only configurations bit-equal everywhere are proposed."""
+    ms = [int(m) for m in res["ms"]]
+    names = list(res["shapes"])
+    narrow = [n for n in names if res["shapes"][n]["N"] <= NARROW_N]
+    table: list[dict[str, Any]] = []
+    lo = 0
+    for hi in BUCKETS:
+        in_b = [m for m in ms if lo < m <= hi]
+        lo = hi
+        if not in_b:
+            continue
+        totals = _bucket_rows(res, names, in_b)
+        k_best = min(totals, key=totals.get)
+        cub = sum(_at(res["shapes"][n]["cublas_us"], m) for n in names for m in in_b)
+        if narrow and len(narrow) < len(names):
+            t_n = _bucket_rows(res, narrow, in_b)
+            k_n = min(t_n, key=t_n.get)
+            if t_n[k_n] < 0.95 * t_n[k_best]:
+                cub_n = sum(_at(res["shapes"][n]["cublas_us"], m) for n in narrow for m in in_b)
+                table.append({"max_m": hi, "max_n": NARROW_N, "ms": in_b, "config": k_n, "bi_us": t_n[k_n],
+                              "cublas_us": cub_n, "cublas_over_bi": cub_n / t_n[k_n],
+                              "bucket_config_us": t_n[k_best]})
+        table.append({"max_m": hi, "ms": in_b, "config": k_best, "bi_us": totals[k_best], "cublas_us": cub,
+                      "cublas_over_bi": cub / totals[k_best], "default_us": totals.get(key(DEFAULT))})
+    return table
+
+
+def write_table(res: dict[str, Any], path: Path) -> None:
+    """Merge the proposal into the tables file ``path`` under the sweep's GPU name."""
+    by_key = {key(c): c for c in CANDIDATES}
+    tables = json.loads(path.read_text()) if path.exists() else {}
+    tables[res["gpu"]] = [{"max_m": row["max_m"], **({"max_n": row["max_n"]} if "max_n" in row else {}),
+                           "config": dataclasses.asdict(by_key[row["config"]])} for row in res["proposal"]]
+    path.write_text(json.dumps(tables, indent=1) + "\n")
+    print(f"table for {res['gpu']} written to {path}")
+
+
+def print_summary(res: dict[str, Any]) -> None:
+    for row in res["proposal"]:
+        n = f"N <= {row['max_n']}" if "max_n" in row else "all N"
+        base = (f"(bucket's config {row['cublas_us'] / row['bucket_config_us']:.2f}x)" if "max_n" in row
+                else f"(default {row['cublas_us'] / row['default_us']:.2f}x)" if row.get("default_us") else "")
+        print(f"SUMMARY  M <= {row['max_m']:>10} {n:12s}: {row['config']:26s} {row['cublas_over_bi']:.2f}x cuBLAS {base}")
+
+
 def key(cfg: MMConfig) -> str:
     flags = ("p" if cfg.persistent else "") + ("t" if cfg.tma else "")
     return f"{cfg.BLOCK_M}x{cfg.BLOCK_N}x{cfg.BLOCK_K} w{cfg.num_warps} s{cfg.num_stages} {flags or '-'}"
@@ -108,9 +173,18 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,64,256,1024,4096,8192,16384")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="the first four configurations and two shapes")
+    ap.add_argument("--from-json", default="", help="no GPU: re-derive the proposal (and --table-out) from an earlier "
+                    "sweep's --out JSON")
     ap.add_argument("--table-out", default="", help="merge the proposal into this tables file under the GPU's name "
                     "(titan_rl_ext/kernels/bi_gemm_tables.json is what bi_matmul reads)")
     args = ap.parse_args()
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        res["proposal"] = propose(res)
+        if args.table_out:
+            write_table(res, Path(args.table_out))
+        print_summary(res)
+        return 0
     dev = torch.device("cuda")
     ms = [int(m) for m in args.ms.split(",")]
     cands = CANDIDATES[:4] if args.quick else CANDIDATES
@@ -154,37 +228,12 @@ def main() -> int:
                                "weight_floor_us_at_4.8TBps": N * K * 2 / 4.8e12 * 1e6}
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
-    # ---- the proposal: one configuration per M bucket, least total time over the shapes -------------------
-    table = []
-    lo = 0
-    for hi in BUCKETS:
-        in_b = [m for m in ms if lo < m <= hi]
-        lo = hi
-        if not in_b:
-            continue
-        totals: dict[str, float] = {}
-        for k in (key(c) for c in cands):
-            rs = [res["shapes"][s]["configs"].get(k, {}) for s in shapes]
-            if all(r.get("equal_bits") for r in rs):
-                totals[k] = sum(r["us"][m] for r in rs for m in in_b)
-        k_best = min(totals, key=totals.get)
-        cub = sum(res["shapes"][s]["cublas_us"][m] for s in shapes for m in in_b)
-        table.append({"max_m": hi, "ms": in_b, "config": k_best, "bi_us": totals[k_best], "cublas_us": cub,
-                      "cublas_over_bi": cub / totals[k_best], "default_us": totals.get(key(DEFAULT))})
-    res["proposal"] = table
+    res["proposal"] = propose(res)
     if args.table_out and not args.quick:
-        by_key = {key(c): c for c in cands}
-        path = Path(args.table_out)
-        tables = json.loads(path.read_text()) if path.exists() else {}
-        tables[res["gpu"]] = [{"max_m": row["max_m"], "config": dataclasses.asdict(by_key[row["config"]])}
-                              for row in table]
-        path.write_text(json.dumps(tables, indent=1) + "\n")
-        print(f"table for {res['gpu']} written to {path}")
+        write_table(res, Path(args.table_out))
     res["wall_s"] = time.perf_counter() - t0
     print("\nSUMMARY  fastest bit-equal configuration per M bucket (sum over shapes), cuBLAS time / BI time:")
-    for row in table:
-        print(f"SUMMARY  M <= {row['max_m']:>10}: {row['config']:26s} {row['cublas_over_bi']:.2f}x cuBLAS "
-              f"(default {row['cublas_us'] / row['default_us']:.2f}x)")
+    print_summary(res)
     broken = sorted({k for s in res["shapes"].values() for k, r in s["configs"].items() if not r.get("equal_bits")})
     print(f"SUMMARY  configurations with other bits or no build: {broken or 'none'}")
     if args.out:

@@ -77,22 +77,28 @@ ROW_BLOCK_D_MAX = 1024
 
 
 # Per-GPU bf16 tables measured by ``tests/gpu/bi_gemm_tiles.py --table-out``: ``{gpu name: [{"max_m": int,
-# "config": MMConfig fields}, ...]}``, buckets ascending, the last one unbounded. Only configurations that gave the
-# default's bits on every shape at every M on that GPU enter a table, so a table changes speed, not bits. A GPU
+# "max_n": int (optional), "config": MMConfig fields}, ...]}``, the first row with M <= max_m (and N <= max_n where
+# given) wins, the last one unbounded. A row with ``max_n`` serves the narrow projections of a bucket (N = 4096 at
+# M = 65-256: 64-wide tiles keep 2-4x more SMs streaming the weight than the 128x256 tile the wide ones and the LM
+# head want). Only configurations that gave the default's bits on every shape at every M on that GPU enter a table,
+# so a table changes speed, not bits. A GPU
 # without an entry takes the entry of a GPU cut from the same die (an H100 the H200's: the same machine code,
 # so the same bits), else the defaults above.
 TABLES_FILE = Path(__file__).with_name("bi_gemm_tables.json")
 
 
+_UNBOUNDED = 1 << 62
+
+
 @functools.lru_cache(maxsize=None)
-def device_table(gpu_name: str) -> tuple[tuple[int, MMConfig], ...]:
-    """The measured bf16 M-bucket table that serves ``gpu_name``: its own, else one measured on a GPU of the same
-    die (``kernels.gpu_tables``); empty when there is neither."""
+def device_table(gpu_name: str) -> tuple[tuple[int, int, MMConfig], ...]:
+    """The measured bf16 table that serves ``gpu_name`` as ``(max_m, max_n, config)`` rows: its own, else one
+    measured on a GPU of the same die (``kernels.gpu_tables``); empty when there is neither."""
     if not TABLES_FILE.exists():
         return ()
     found = table_entry(json.loads(TABLES_FILE.read_text()), gpu_name)
     entry = found[1] if found else []
-    return tuple((int(row["max_m"]), MMConfig(**row["config"])) for row in entry)
+    return tuple((int(row["max_m"]), int(row.get("max_n", _UNBOUNDED)), MMConfig(**row["config"])) for row in entry)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,12 +106,13 @@ def _gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
 
 
-def mm_config(M: int, dtype: torch.dtype, device: torch.device | None = None) -> MMConfig:
-    """The tile configuration ``bi_matmul`` uses for M rows of ``dtype`` on ``device``: the GPU's measured table
-    for bf16 where there is one (``TABLES_FILE``), else ``_SMALL_M_CONFIGS`` / ``_MM_CONFIGS``."""
+def mm_config(M: int, dtype: torch.dtype, device: torch.device | None = None, N: int | None = None) -> MMConfig:
+    """The tile configuration ``bi_matmul`` uses for M rows (N output columns, where known) of ``dtype`` on
+    ``device``: the GPU's measured table for bf16 where there is one (``TABLES_FILE``), else ``_SMALL_M_CONFIGS`` /
+    ``_MM_CONFIGS``."""
     if dtype == torch.bfloat16 and device is not None:
-        for max_m, cfg in device_table(_gpu_name(device)):
-            if M <= max_m:
+        for max_m, max_n, cfg in device_table(_gpu_name(device)):
+            if M <= max_m and (N is None and max_n == _UNBOUNDED or N is not None and N <= max_n):
                 return cfg
     for max_m, cfg in _SMALL_M_CONFIGS.get(dtype, ()):
         if M <= max_m:
@@ -253,7 +260,7 @@ def bi_matmul(
         return c
     if K == 0:
         return c.zero_()
-    cfg = config or mm_config(M, dtype, a.device)
+    cfg = config or mm_config(M, dtype, a.device, N)
     BM, BN, BK = cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     n_prog = min(_num_programs(a.device), n_tiles) if cfg.persistent else n_tiles

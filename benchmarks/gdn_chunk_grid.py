@@ -1,39 +1,46 @@
-"""What the chunk-grid gated delta rule (``kernels.gdn_chunk_grid``: prefill, decode and continued prefill with the
-same bits, on tensor-core tiles) costs, against the shipped recurrent kernel (BI's prefill and decode today) and
-FLA's chunk kernel (titan's non-BI prefill).
+"""What the chunk-grid gated delta rule (``kernels.gdn_chunk_grid``: boundary states by the chunk formula on
+tensor-core tiles, rows by the recurrent kernel from them; prefill, decode and continued prefill with the same
+bits) costs, against the shipped recurrent kernel (BI's prefill and decode today) and FLA's chunk kernel (titan's
+non-BI prefill).
 
     python benchmarks/gdn_chunk_grid.py [--lengths 32768,65536] [--batches 1,8,32,128,256] [--out gdn_chunk_grid.json]
     TRITON_INTERPRET=1 python benchmarks/gdn_chunk_grid.py --smoke --device cpu   # toy sizes, seconds
     python benchmarks/gdn_chunk_grid.py --compile-only [--arch 90]   # no GPU needed: registers, spills
 
 At the 9B's GDN heads (16 key / 32 value heads of 128), bf16 q/k/v/beta, fp32 g and state. First the bits
-(``bits`` in the JSON; the run fails if any is False): a 200-token prompt prefilled whole == continued from cuts
-after 1, 63, 64, 65, 130 tokens == prefilled to 60 then decoded token by token to 70 then prefilled (outputs,
-final state, boundary state, open-chunk rows); lengths 1, 63, 64, 65, 130 packed == each alone; a decode batch at
-mixed positions == each sequence alone; a CUDA-graph replay of a decode step == the eager step. Then timings, each
-variant timed in two interleaved rounds:
+(``bits`` in the JSON; the run fails if any is False, and prints which part differs and from which output row): a
+200-token prompt prefilled whole == continued from cuts after 1, 63, 64, 65, 130 tokens == prefilled to 60 then
+decoded token by token to 70 (across the fold at 63/64) then prefilled (outputs, final state, running state,
+boundary state, open-chunk rows); lengths 1, 63, 64, 65, 130 packed == each alone; a decode batch at mixed
+positions (folding and not) == each sequence alone; a CUDA-graph replay of a decode step (folding and not) == the
+eager step. Then timings, each variant timed in two interleaved rounds:
 
-- prefill of one prompt per length: ``chunk_grid`` (``gdn_chunk_grid.prefill``, its host-side chunk plan included,
-  as an engine pays it; one profiled call splits it by kernel), ``recurrent``
-  (``gdn_triton.gated_delta_rule_recurrent``) and ``fla_chunk`` (FLA's ``chunk_gated_delta_rule``, where
-  importable; a failing FLA call is recorded, not fatal). Also checked there: the prompt prefilled to its last
-  token and that token decoded gives the whole prefill's last output row and state;
-- a decode step of B sequences: ``gdn_chunk_grid.decode`` at open-chunk rows 0, 31 and 63 (``grid_first``,
-  ``grid_mid``, ``grid_last``; 63 also folds the chunk into S) and the row-31 step replayed from a CUDA graph
-  (``grid_graph``), against the recurrent kernel's step on a slotted state cache (as the engine runs it).
+- prefill of one prompt per length: ``chunk_grid`` (``gdn_chunk_grid.prefill``, its host-side plan included, as an
+  engine pays it; one profiled call splits it by kernel: ``_intra_kernel``, ``_chain_kernel``,
+  ``_gdn_recurrent_kernel``, copies), ``recurrent`` (``gdn_triton.gated_delta_rule_recurrent``) and ``fla_chunk``
+  (FLA's ``chunk_gated_delta_rule``, where importable; a failing FLA call is recorded, not fatal). Also checked
+  there: the prompt prefilled to its last token and that token decoded gives the whole prefill's last output row
+  and state;
+- a decode step of B sequences: ``gdn_chunk_grid.decode`` at open-chunk row 31 (``grid_nofold``: the recurrent
+  step, the row saved, fold launches whose programs exit at once) and row 63 (``grid_fold``: every sequence folds
+  its chunk), both also replayed from CUDA graphs (``grid_graph_nofold``, ``grid_graph_fold``), against the
+  recurrent kernel's step on a slotted state cache (as the engine runs it).
 
-Floors predicted at the 9B's heads (H100 SXM: ~990 dense bf16 TFLOP/s, ~3.3 TB/s):
-- 32K prefill: ~11.5 MFLOP per chunk and value head (k k^T, T (k..), T (v..), q k^T: 4 x 64x64x128 MACs; W S,
-  q S, kg^T delta: 3 x 64x128x128; M delta: 64x64x128) x 16384 = 190 GFLOP, ~0.2 ms; bytes: q, k, v, o, g, beta
-  ~25 KB a token = 0.8 GB, ~0.25 ms, plus scratch (W, U, kg, M bf16, A/T fp32: ~72 KB per chunk and head written
-  and read, 2.4 GB where it leaves L2, ~0.7 ms). The serial chain (512 steps of 4 dependent small products per
-  program) is likely the bound: ~1-2 ms.
-- B=256 decode: S read 512 MiB, the open chunks' rows (half a chunk on average) ~130 MB, scratch ~0.8 GB (mostly
-  L2 at small B): ~0.2-0.5 ms; 94 GFLOP (the whole tile of every sequence), ~0.1 ms. The recurrent step reads and
-  writes S: 1 GiB, ~0.35 ms.
+Floors predicted at the 9B's heads (H100 SXM: ~990 dense bf16 TFLOP/s, ~67 fp32 CUDA-core TFLOP/s, ~3.3 TB/s):
+- 32K prefill (512 chunks): folds 7 MFLOP per chunk and value head (k k^T, T (k..), T (v..): 3 x 64x64x128 MACs;
+  W S, kg^T delta: 2 x 64x128x128) x 16384 = 115 GFLOP on tensor cores, ~0.1 ms; their scratch (W, U, kg bf16,
+  A/T fp32: 64 KiB per chunk and head) 1 GiB written and read, ~0.6 ms where it leaves L2; the serial chain (512
+  steps of 2 dependent small products) ~1 ms. Rows: ~6 K V FLOP per token and value head on CUDA cores (k^T S,
+  q^T S, the update) = 100 GFLOP, ~1.5 ms, over 512 x 32 x 4 independent 64-token programs; boundary states (64
+  KiB per chunk and head) written by the chain, read and written back by the recurrent launch: 3 GiB, ~0.9 ms;
+  q/k/v/o ~0.8 GB, ~0.25 ms. Expected ~3-5 ms (the intra and recurrent launches overlap nothing: they add).
+- B=256 decode, no fold: the recurrent step (S read and written: 1 GiB, ~0.35 ms) + the row saved (~1 MB) + two
+  launches whose 8192 + 32768 programs exit at once (~10 us): ~0.4 ms, the recurrent form's. A folding step adds
+  the tile of every sequence (94 GFLOP-equivalent of 64-row tiles, scratch ~0.5 GB, S_b read and written 1 GiB):
+  ~1.5-2.5 ms, once every 64 tokens (~0.03 ms a step amortised).
 
-``--compile-only`` compiles both kernels at the 9B's heads for ``sm_<arch>`` without a GPU and reports, per kernel,
-the registers and spill bytes where a ptxas that takes the PTX is found (Triton's own).
+``--compile-only`` compiles the fold kernels at the 9B's heads for ``sm_<arch>`` without a GPU and reports, per
+kernel, the registers and spill bytes where a ptxas that takes the PTX is found (Triton's own).
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from titan_rl_ext.kernels import gdn_chunk_grid as cg  # noqa: E402
 from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
-DECODE_ROWS = {"first": 0, "mid": 0.5, "last": 1.0}  # open-chunk rows timed: 0, C/2 - 1, C - 1 (63: a fold)
+DECODE_ROWS = {"nofold": 0.5, "fold": 1.0}  # open-chunk rows timed: C/2 - 1 and C - 1 (63: every sequence folds)
 
 
 def _inputs(T: int, dev: torch.device, heads: tuple[int, int, int, int], seed: int) -> dict[str, torch.Tensor]:
@@ -111,16 +118,15 @@ def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], ch
     part = cg.new_state(1, *heads[1:], chunk, dev, s0)
     cg.prefill(*(t[:T - 1] for t in qkvgb), [0, T - 1], scale, *part)
     o_last = cg.decode(*(t[T - 1:] for t in qkvgb), scale, *part, torch.tensor([T - 1], device=dev))
-    bits = (torch.equal(o_last[0], o_w[T - 1]) and torch.equal(part[0], whole[0])
-            and _same_rows(part[1], whole[1], T % chunk))
+    bits = torch.equal(o_last[0], o_w[T - 1]) and all(_same_state(part, whole, T % chunk).values())
     o_r, fin_r = gated_delta_rule_recurrent(*qkvgb, cu_t, scale, s0)
     row: dict[str, Any] = {
         "case": f"prefill 1x{T}", "T": T, "decode_continues_prefill_bits": bool(bits),
         "max_abs_o_vs_recurrent": (o_w.float() - o_r.float()).abs().max().item(),
         "max_abs_state_vs_recurrent": (fin_w - fin_r).abs().max().item(),
-        # per chunk and value head: W, U, kg [C, K|V] and M [C, C] bf16, A/T [C, C] and G [C] fp32
-        "scratch_mib": (len(cg.chunk_plan([0, T], [0], chunk)["tok"]) * heads[1] * chunk
-                        * (2 * (2 * heads[2] + heads[3] + chunk) + 4 * (chunk + 1))) / 2**20,
+        # per chunk and value head: W, U, kg [C, K|V] bf16, A/T [C, C] fp32, the boundary state [K, V] fp32
+        "scratch_mib": (len(cg.chunk_plan([0, T], [0], chunk)["tok"]) * heads[1]
+                        * (chunk * (2 * (2 * heads[2] + heads[3]) + 4 * chunk) + 4 * heads[2] * heads[3])) / 2**20,
     }
     del o_w, fin_w, fin_r, part
     state = cg.new_state(1, *heads[1:], chunk, dev, s0)
@@ -158,71 +164,82 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
     scale = heads[2] ** -0.5
     # every sequence's open chunk filled by a prefill of one chunk less a token (its rows 0..C-2 real)
     fill = _inputs(B * (chunk - 1), dev, heads, seed=B + 8)
-    S, buf = cg.new_state(B, *heads[1:], chunk, dev)
-    S.copy_(torch.randn(S.shape, device=dev, generator=torch.Generator(device=dev).manual_seed(B)) * 0.1)
-    cg.prefill(*fill.values(), list(range(0, B * (chunk - 1) + 1, chunk - 1)), scale, S, buf)
+    st = cg.new_state(B, *heads[1:], chunk, dev,
+                      torch.randn(B, *heads[1:], device=dev, generator=torch.Generator(device=dev).manual_seed(B)) * 0.1)
+    cg.prefill(*fill.values(), list(range(0, B * (chunk - 1) + 1, chunk - 1)), scale, *st)
     row: dict[str, Any] = {"case": f"decode B={B}", "B": B}
     # the bits: a batch == each sequence alone (the first two), at row C - 1 after the prefill's rows (a fold)
     pos = torch.full((B,), chunk - 1, dtype=torch.int64, device=dev)
-    batch = (S.clone(), buf.clone())
+    batch = _clone(st)
     o_b = cg.decode(*qkvgb, scale, *batch, pos)
     ok = True
     for n in range(min(B, 2)):
-        one = (S[n:n + 1].clone(), buf[n:n + 1].clone())
+        one = _clone(st, slice(n, n + 1))
         o_1 = cg.decode(*(t[n:n + 1] for t in qkvgb), scale, *one, pos[n:n + 1])
-        ok = ok and torch.equal(o_b[n:n + 1], o_1) and torch.equal(batch[0][n:n + 1], one[0])
+        same = _same_state(_clone(batch, slice(n, n + 1)), one, 0)
+        ok = ok and torch.equal(o_b[n:n + 1], o_1) and all(same.values())
     row["batch_equals_alone_bits"] = bool(ok)
-    cache = S.clone()
+    cache = st[0].clone()
     slots = torch.arange(B, dtype=torch.int32, device=dev)
     cu_t = torch.arange(B + 1, dtype=torch.int32, device=dev)
     variants: dict[str, Callable[[], Any]] = {
         "recurrent": lambda: gated_delta_rule_recurrent(*qkvgb, cu_t, scale, cache, state_slots=slots),
     }
     for name, frac in DECODE_ROWS.items():
-        i = max(0, int(frac * chunk) - 1) if frac else 0
+        i = int(frac * chunk) - 1
         row[f"row_{name}"] = i
         p_i = torch.full((B,), i, dtype=torch.int64, device=dev)
-        # rows before i hold the prefill's rows; a row-63 step folds S each call (the same work every time)
-        variants[f"grid_{name}"] = lambda p_i=p_i: cg.decode(*qkvgb, scale, S, buf, p_i)
-    if dev.type == "cuda":
-        graph, o_g, bits = _decode_graph(qkvgb, scale, S, buf, torch.full((B,), chunk // 2 - 1, device=dev))
-        row["graph_equals_eager_bits"] = bits
-        if graph is not None:
-            variants["grid_graph"] = graph.replay
-        else:
-            row["graph_error"] = o_g
+        # rows before i hold the prefill's rows; a row-63 step folds every call (the same work every time)
+        variants[f"grid_{name}"] = lambda p_i=p_i: cg.decode(*qkvgb, scale, *st, p_i)
+        if dev.type == "cuda":
+            graph, err, bits = _decode_graph(qkvgb, scale, st, p_i)
+            row[f"graph_{name}_equals_eager_bits"] = bits
+            if graph is not None:
+                variants[f"grid_graph_{name}"] = graph.replay
+            else:
+                row[f"graph_{name}_error"] = err
     row.update(_time(timer, variants, args))
     return row
 
 
-def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, S: torch.Tensor, buf: torch.Tensor,
-                  pos: torch.Tensor) -> tuple[Any, Any, bool]:
+def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, st: cg.GridState,
+                  pos: torch.Tensor) -> tuple[Any, str, bool]:
     """A decode step captured in a CUDA graph (the plan made on the device: nothing to sync) and its replay's bits
-    against the eager step from the same state: ``(graph, output, equal)``, or ``(None, error, False)``."""
+    against the eager step from the same state: ``(graph, "", equal)``, or ``(None, error, False)``."""
     try:
-        eager = (S.clone(), buf.clone())
+        eager = _clone(st)
         o_e = cg.decode(*qkvgb, scale, *eager, pos)
-        st = (S.clone(), buf.clone())
+        own = _clone(st)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            cg.decode(*qkvgb, scale, S.clone(), buf.clone(), pos)  # warm-up: compile outside the capture
+            cg.decode(*qkvgb, scale, *_clone(st), pos)  # warm-up: compile outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o_g = cg.decode(*qkvgb, scale, *st, pos)
-        st[0].copy_(S)
-        st[1].copy_(buf)
+            o_g = cg.decode(*qkvgb, scale, *own, pos)
+        for t, src in zip(own, st):
+            t.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        return graph, o_g, bool(torch.equal(o_g, o_e) and torch.equal(st[0], eager[0]))
+        same = _same_state(own, eager, int(pos[0].item()) % own[2].shape[2] + 1)
+        if not (torch.equal(o_g, o_e) and all(same.values())):
+            print(f"graph bits differ: outputs {torch.equal(o_g, o_e)}, {same}")
+        return graph, "", bool(torch.equal(o_g, o_e) and all(same.values()))
     except Exception as e:  # a failed capture is a result to report, not a crash
         return None, f"{type(e).__name__}: {e}"[:300], False
 
 
-def _same_rows(a: torch.Tensor, b: torch.Tensor, n_open: int) -> bool:
-    """Open-chunk rows bit for bit, as integers (an fp32 g's low half may read as a bf16 NaN)."""
-    return torch.equal(a[:, :, :n_open].view(torch.int16), b[:, :, :n_open].view(torch.int16))
+def _clone(st: cg.GridState, sl: slice = slice(None)) -> cg.GridState:
+    """Rows ``sl`` of each state tensor, copied."""
+    return (st[0][sl].clone(), st[1][sl].clone(), st[2][sl].clone())
+
+
+def _same_state(a: cg.GridState, b: cg.GridState, n_open: int) -> dict[str, bool]:
+    """Running state, boundary state and the open chunk's ``n_open`` rows bit for bit (rows as integers: an fp32
+    g's low half may read as a bf16 NaN), by part."""
+    return {"running_state": torch.equal(a[0], b[0]), "boundary_state": torch.equal(a[1], b[1]),
+            "open_rows": torch.equal(a[2][:, :, :n_open].view(torch.int16), b[2][:, :, :n_open].view(torch.int16))}
 
 
 def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> dict[str, bool]:
@@ -236,13 +253,13 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     whole = cg.new_state(1, *heads[1:], chunk, dev, s0)
     o_w, fin_w = cg.prefill(*qkvgb, [0, T], scale, *whole)
 
-    def same(st: tuple[torch.Tensor, torch.Tensor], o: torch.Tensor, fin: torch.Tensor) -> bool:
+    def same(name: str, st: cg.GridState, o: torch.Tensor, fin: torch.Tensor) -> bool:
         parts_ok = {"outputs": torch.equal(o, o_w), "final_state": torch.equal(fin, fin_w),
-                    "boundary_state": torch.equal(st[0], whole[0]),
-                    "open_rows": _same_rows(st[1], whole[1], T % chunk)}
+                    **_same_state(st, whole, T % chunk)}
         if not all(parts_ok.values()):  # which part, and from which token on the outputs differ
             bad = (o != o_w).flatten(1).any(1).nonzero()
-            print(f"bits differ: {parts_ok}, first differing output row {bad[0].item() if len(bad) else None}")
+            print(f"bits differ ({name}): {parts_ok}, first differing output row "
+                  f"{bad[0].item() if len(bad) else None}")
         return all(parts_ok.values())
 
     out: dict[str, bool] = {}
@@ -252,14 +269,14 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     for lo, hi in zip([0, *cuts], [*cuts, T]):
         o_p, fin = cg.prefill(*(t[lo:hi] for t in qkvgb), [0, hi - lo], scale, *st, pos=[lo])
         parts.append(o_p)
-    out["continued_from_cuts"] = same(st, torch.cat(parts), fin)
+    out["continued_from_cuts"] = same("continued_from_cuts", st, torch.cat(parts), fin)
     d0, d1 = chunk - 4, chunk + 6
     st = cg.new_state(1, *heads[1:], chunk, dev, s0)
     parts = [cg.prefill(*(t[:d0] for t in qkvgb), [0, d0], scale, *st)[0]]
     for p in range(d0, d1):
         parts.append(cg.decode(*(t[p:p + 1] for t in qkvgb), scale, *st, torch.tensor([p], device=dev)))
     o_e, fin = cg.prefill(*(t[d1:] for t in qkvgb), [0, T - d1], scale, *st, pos=[d1])
-    out["decoded_across_a_fold"] = same(st, torch.cat([*parts, o_e]), fin)
+    out["decoded_across_a_fold"] = same("decoded_across_a_fold", st, torch.cat([*parts, o_e]), fin)
     lens = [1, chunk - 1, chunk, chunk + 1, 2 * chunk + 2]
     cu = [0]
     for n in lens:
@@ -272,19 +289,26 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
         one = cg.new_state(1, *heads[1:], chunk, dev)
         o_1, fin_1 = cg.prefill(*(t[lo:hi] for t in qkvgb), [0, hi - lo], scale, *one)
-        ok = ok and torch.equal(o[lo:hi], o_1) and torch.equal(fin[n:n + 1], fin_1)
-        ok = ok and torch.equal(st[0][n:n + 1], one[0]) and _same_rows(st[1][n:n + 1], one[1], lens[n] % chunk)
+        parts_ok = {"outputs": torch.equal(o[lo:hi], o_1), "final_state": torch.equal(fin[n:n + 1], fin_1),
+                    **_same_state(_clone(st, slice(n, n + 1)), one, lens[n] % chunk)}
+        if not all(parts_ok.values()):
+            print(f"bits differ (packed_equals_alone, length {lens[n]}): {parts_ok}")
+        ok = ok and all(parts_ok.values())
     out["packed_equals_alone"] = bool(ok)
     z = _inputs(len(lens), dev, heads, seed=13)
     qkvgb = (z["q"], z["k"], z["v"], z["g"], z["beta"])
-    pos = torch.tensor(lens, device=dev)
-    batch = (st[0].clone(), st[1].clone())
+    pos = torch.tensor(lens, device=dev)  # open rows 1, 63 (a fold), 0, 1, 2
+    batch = _clone(st)
     o_b = cg.decode(*qkvgb, scale, *batch, pos)
     ok = True
     for n in range(len(lens)):
-        one = (st[0][n:n + 1].clone(), st[1][n:n + 1].clone())
+        one = _clone(st, slice(n, n + 1))
         o_1 = cg.decode(*(t[n:n + 1] for t in qkvgb), scale, *one, pos[n:n + 1])
-        ok = ok and torch.equal(o_b[n:n + 1], o_1) and torch.equal(batch[0][n:n + 1], one[0])
+        parts_ok = {"outputs": torch.equal(o_b[n:n + 1], o_1),
+                    **_same_state(_clone(batch, slice(n, n + 1)), one, (lens[n] + 1) % chunk)}
+        if not all(parts_ok.values()):
+            print(f"bits differ (decode_batch_equals_alone, position {lens[n]}): {parts_ok}")
+        ok = ok and all(parts_ok.values())
     out["decode_batch_equals_alone"] = bool(ok)
     return out
 
@@ -300,11 +324,11 @@ def _compile_report(arch: int) -> list[dict[str, Any]]:
     heads = dict(H=H, HV=HV, K=K, V=V, C=cg.CHUNK, UPCAST=False)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "beta_ptr": "*bf16", "o_ptr": "*bf16",
             "g_ptr": "*fp32", "bufh_ptr": "*bf16", "buff_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16",
-            "m_ptr": "*bf16", "kg_ptr": "*bf16", "gs_ptr": "*fp32", "a_ptr": "*fp32", "s_ptr": "*fp32",
-            "final_ptr": "*fp32"}
+            "kg_ptr": "*bf16", "gl_ptr": "*fp32", "a_ptr": "*fp32", "sb_ptr": "*fp32", "srun_ptr": "*fp32",
+            "scr_ptr": "*fp32"}
     specs = [
         ("intra", kt._intra_kernel, dict(heads, R=cg.row_layout(K, V)["R"])),
-        ("chain", kt._chain_kernel, dict(heads, BV=cg.BV)),
+        ("chain", kt._chain_kernel, {k: v for k, v in dict(heads, BV=cg.BV).items() if k != "H"}),
     ]
     ptxas = sorted(glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas*")))
     rows = []
@@ -363,8 +387,9 @@ def main() -> int:
     env = environment(dev)
     print_header(f"gdn_chunk_grid: {heads[0]}/{heads[1]} heads x {heads[2]}x{heads[3]}, chunk {chunk}", env)
     nine_b = cg.state_bytes(HV, K, V, cg.CHUNK)
-    print(f"state per sequence and layer at the 9B's heads, chunk {cg.CHUNK}: S {nine_b['S']:,} B + buffer "
-          f"{nine_b['buffer']:,} B = {nine_b['total'] / 2**20:.2f} MiB (recurrent: {nine_b['S'] / 2**20:.2f} MiB)")
+    print(f"state per sequence and layer at the 9B's heads, chunk {cg.CHUNK}: S_run {nine_b['S_run']:,} B + S_b "
+          f"{nine_b['S_b']:,} B + buffer {nine_b['buffer']:,} B = {nine_b['total'] / 2**20:.2f} MiB (recurrent: "
+          f"{nine_b['S_run'] / 2**20:.2f} MiB)")
     results: dict[str, Any] = {"env": env, "args": vars(args), "chunk": chunk, "heads": heads,
                                "state_bytes_9b": nine_b, "state_bytes_run": cg.state_bytes(*heads[1:], chunk),
                                "rows": []}
@@ -390,11 +415,12 @@ def main() -> int:
         ("fla_chunk_ms", "FLA chunk ms", ".3f"), ("recurrent_over_grid", "rec/grid", ".2f"),
         ("max_abs_o_vs_recurrent", "max|o diff|", ".1e"), ("decode_continues_prefill_bits", "bits", "")]))
     print("\nDECODE\n" + fmt_table(dec, [("case", "case", ""), ("recurrent_ms", "recurrent ms", ".4f")]
-                                   + [(f"grid_{n}_ms", f"grid row {n} ms", ".4f") for n in DECODE_ROWS]
-                                   + [("grid_graph_ms", "grid graph ms", ".4f"),
-                                      ("batch_equals_alone_bits", "bits", "")]))
+                                   + [(f"grid_{n}_ms", f"grid {n} ms", ".4f") for n in DECODE_ROWS]
+                                   + [(f"grid_graph_{n}_ms", f"graph {n} ms", ".4f") for n in DECODE_ROWS]
+                                   + [("batch_equals_alone_bits", "bits", "")]))
     ok = (all(results["bits"].values()) and all(r["decode_continues_prefill_bits"] for r in pre)
-          and all(r["batch_equals_alone_bits"] and r.get("graph_equals_eager_bits", True) for r in dec))
+          and all(r["batch_equals_alone_bits"] and all(r.get(f"graph_{n}_equals_eager_bits", True) for n in DECODE_ROWS)
+                  for r in dec))
     print("bits:", "ok" if ok else "MISMATCH")
     return 0 if ok else 1
 

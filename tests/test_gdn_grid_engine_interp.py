@@ -1,9 +1,10 @@
 """The plugin's chunk-grid step (``vllm_titan_plugin.gdn_slots.CachedStateRuleKernel`` with
 ``TITAN_GDN_BI_FORM=grid``) on the kernels' branch, as a GPU engine runs it, on CPU under the Triton interpreter:
-state caches strided as vLLM's mamba pages lay them out (S and the open-chunk buffer interleaved in one page per
-slot, so the step gathers and scatters its rows), sequences in arbitrary slots, a recycled slot holding garbage
-(``has_initial_state`` False: its S row zeroed), a continued prefill mid-chunk and decode-only steps -- against
-``gdn_chunk_grid.prefill`` / ``decode`` on contiguous state, outputs, S rows and open-chunk rows equal bit for bit.
+state caches strided as vLLM's mamba pages lay them out (the running state, the open-chunk buffer and the boundary
+state interleaved in one page per slot, which the kernels address in place), sequences in arbitrary slots, a
+recycled slot holding garbage (``has_initial_state`` False: its state rows zeroed), a continued prefill mid-chunk
+and decode-only steps across a fold -- against ``gdn_chunk_grid.prefill`` / ``decode`` on contiguous state:
+outputs, both states and open-chunk rows equal bit for bit.
 
 Runs in a subprocess with ``TRITON_INTERPRET=1``. Skipped where triton is missing.
 """
@@ -42,12 +43,14 @@ def _check_strided_slots_and_decodes() -> None:
     H, HV, K, V, C = 1, 2, 16, 16, cg.CHUNK
     L = cg.row_layout(K, V)
     n_slots, s_bytes, b_bytes = 5, HV * K * V * 4, HV * C * L["R"] * 2
-    # one page of bytes a slot (S fp32, then the buffer bf16), padded as vLLM pads mamba pages
-    pages = torch.zeros(n_slots, s_bytes + b_bytes + 148, dtype=torch.uint8)
+    # one page of bytes a slot (S_run fp32, the buffer bf16, S_b fp32), padded as vLLM pads mamba pages
+    pages = torch.zeros(n_slots, 2 * s_bytes + b_bytes + 148, dtype=torch.uint8)
     S_NHKV = pages[:, :s_bytes].view(torch.float32).view(n_slots, HV, K, V)
     buf_NHCR = pages[:, s_bytes:s_bytes + b_bytes].view(torch.bfloat16).view(n_slots, HV, C, L["R"])
-    assert not S_NHKV.is_contiguous() and not buf_NHCR.is_contiguous()
-    S_ref, buf_ref = cg.new_state(n_slots, HV, K, V)
+    Sb_NHKV = pages[:, s_bytes + b_bytes:2 * s_bytes + b_bytes].view(torch.float32).view(n_slots, HV, K, V)
+    assert not any(t.is_contiguous() for t in (S_NHKV, buf_NHCR, Sb_NHKV))
+    assert cg.state_layout_ok(S_NHKV, Sb_NHKV, buf_NHCR)  # addressed in place, slot by slot
+    ref = cg.new_state(n_slots, HV, K, V)
     kernel = gdn_slots.CachedStateRuleKernel(GatedDeltaRuleKernel())
     scale = K**-0.5
     done = {3: 0, 1: 0}  # slot -> tokens seen
@@ -60,29 +63,30 @@ def _check_strided_slots_and_decodes() -> None:
         slots_t = torch.tensor(slots)
         pos = [done[s] for s in slots]
         keep = None if decode_only else torch.tensor([p > 0 for p in pos])
-        kernel.bind(slots_t, keep, grid_buf=buf_NHCR)
+        kernel.bind(slots_t, keep, grid=(buf_NHCR, Sb_NHKV))
         with batch_invariant():
             o, _ = kernel(*x, SeqBatch.from_lengths(lengths, start_positions=pos), scale, S_NHKV)
         kernel.unbind()
         if decode_only:
-            o_ref = cg.decode(*x, scale, S_ref, buf_ref, torch.tensor(pos, dtype=torch.int32),
-                              slots_t.to(torch.int32))
+            o_ref = cg.decode(*x, scale, *ref, torch.tensor(pos, dtype=torch.int32), slots_t.to(torch.int32))
         else:
             cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-            o_ref, _ = cg.prefill(*x, cu, scale, S_ref, buf_ref, pos, slots)
+            o_ref, _ = cg.prefill(*x, cu, scale, *ref, pos, slots)
         assert torch.equal(o, o_ref), plan
         for s, n in plan.items():
             done[s] += n
 
     S_NHKV.fill_(3.0)  # recycled slots hold garbage: has_initial_state False must start them from zeros
+    Sb_NHKV.fill_(-2.0)
     step({3: 40, 1: 2})
-    step({3: 30, 1: 1})  # slot 3 crosses the chunk boundary mid-step, continuing its open chunk
+    step({3: 22, 1: 1})  # slot 3 at 62: its next decode steps fill row 63 (a fold) and row 0
     for _ in range(3):
         step({3: 1, 1: 1}, decode_only=True)
-    assert torch.equal(S_NHKV[[1, 3]], S_ref[[1, 3]])
+    step({3: 30, 1: 61})  # slot 1 continued across its first boundary mid-step
+    assert torch.equal(S_NHKV[[1, 3]], ref[0][[1, 3]]) and torch.equal(Sb_NHKV[[1, 3]], ref[1][[1, 3]])
     for s in (1, 3):  # the open chunk's rows, as integers (an fp32 g's low half may read as a bf16 NaN)
         rows = done[s] % C
-        assert torch.equal(buf_NHCR[s, :, :rows].view(torch.int16), buf_ref[s, :, :rows].view(torch.int16))
+        assert torch.equal(buf_NHCR[s, :, :rows].view(torch.int16), ref[2][s, :, :rows].view(torch.int16))
 
 
 if __name__ == "__main__":

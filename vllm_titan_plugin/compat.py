@@ -75,8 +75,8 @@ def layer_metadata(prefix: str) -> Any | None:
 
 
 def mamba_state_tensors(layer: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """(conv, ssm[, grid buffer]) cache views of a MambaBase layer, ``[num_slots, *shape]`` each: as many as the
-    layer's ``get_state_shape`` declares."""
+    """(conv, ssm[, grid buffer, grid boundary state]) cache views of a MambaBase layer, ``[num_slots, *shape]``
+    each: as many as the layer's ``get_state_shape`` declares."""
     kv = layer.kv_cache
     # Older releases bound one (conv, ssm) pair per virtual engine.
     if isinstance(kv, (list, tuple)) and kv and isinstance(kv[0], (list, tuple)):
@@ -139,11 +139,11 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 def gdn_state_copy_funcs(grid: bool = False) -> tuple[Callable[..., Any], ...]:
     """Copy functions for (conv, ssm) used by align-mode prefix caching. Both copy whole slots:
     our conv state is (W-1, conv_dim) and the ssm state one block per request (no spec decode). ``grid``: a third
-    state, the chunk grid's open-chunk buffer, copied whole as the ssm state is."""
+    and a fourth state, the chunk grid's open-chunk buffer and boundary state, copied whole as the ssm state is."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
     funcs = tuple(MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func())
-    return funcs + (funcs[1],) if grid else funcs
+    return funcs + (funcs[1], funcs[1]) if grid else funcs
 
 
 # -- weight push / in-place swap (vllm_titan_plugin.swap) ------------------------------------------------

@@ -7,7 +7,8 @@ across steps) with both caches handed over whole and the step's slots bound to t
 kernels (``CachedStateConvKernel``, ``CachedStateRuleKernel``): each reads and writes its state by slot, in
 place where its kernel can (else it gathers the slots, zeroing those without prior state, and scatters back).
 Its state layout is the titan one: conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)`` key-first; with
-``TITAN_GDN_BI_FORM=grid`` (batch invariant) a third tensor, the chunk grid's open-chunk buffer ``(HV, C, R)`` bf16.
+``TITAN_GDN_BI_FORM=grid`` (batch invariant) two more: the chunk grid's open-chunk buffer ``(HV, C, R)`` bf16 and its
+boundary state ``(HV, K, V)`` fp32 (the ssm tensor is then the grid's running state).
 """
 
 from __future__ import annotations
@@ -28,22 +29,24 @@ INNER = "layer"
 
 
 def gdn_state_shapes(cfg: GDNConfig) -> tuple[tuple[int, ...], ...]:
-    """conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)``; under ``grid_state()`` also the open chunk ``(HV, C, R)``."""
+    """conv ``(W-1, conv_dim)``, ssm ``(HV, K, V)``; under ``grid_state()`` also the open chunk ``(HV, C, R)`` and
+    the boundary state ``(HV, K, V)``."""
     shapes: tuple[tuple[int, ...], ...] = (cfg.conv_state_shape(), cfg.ssm_state_shape())
     if grid_state():
-        shapes += ((cfg.n_v_heads, CHUNK, row_layout(cfg.k_head_dim, cfg.v_head_dim)["R"]),)
+        shapes += ((cfg.n_v_heads, CHUNK, row_layout(cfg.k_head_dim, cfg.v_head_dim)["R"]), cfg.ssm_state_shape())
     return shapes
 
 
 def gdn_state_dtypes(vllm_config: Any) -> tuple[torch.dtype, ...]:
     """conv state in the activation dtype, ssm state fp32 -- the titan layer's own contract -- unless
     ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype`` ask for something else explicitly; the grid's buffer
-    always bf16 (its raw rows; ``checks.gdn_bi_form_problem`` refuses an ssm dtype other than fp32 with it)."""
+    always bf16 (its raw rows) and its boundary state fp32 (``checks.gdn_bi_form_problem`` refuses an ssm dtype
+    other than fp32 with it)."""
     cache = vllm_config.cache_config
     model_dtype = compat.torch_dtype(vllm_config.model_config.dtype)
     conv = model_dtype if cache.mamba_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_cache_dtype)
     ssm = torch.float32 if cache.mamba_ssm_cache_dtype == "auto" else compat.torch_dtype(cache.mamba_ssm_cache_dtype)
-    return (conv, ssm, torch.bfloat16) if grid_state() else (conv, ssm)
+    return (conv, ssm, torch.bfloat16, torch.float32) if grid_state() else (conv, ssm)
 
 
 class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
@@ -92,14 +95,14 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
         T = md.num_actual_tokens  # x_TD may carry padding after the real tokens
         bounds = _step_bounds(md, batch, T, x_TD.device)
         seq, slots, keep = bounds.seq, bounds.slots, bounds.keep
-        conv_cache, ssm_cache, *grid_buf = compat.mamba_state_tensors(self)
+        conv_cache, ssm_cache, *grid = compat.mamba_state_tensors(self)
 
         # both caches go in whole: the sequence kernels read and write this step's slots (in place where their
         # kernels can); the rule kernel may instead return the N new ssm states, scattered here
         kernels = (self.layer.conv_kernel, self.layer.rule_kernel)
         self.layer.conv_kernel.bind(slots, keep)
         self.layer.rule_kernel.bind(slots, keep, n_decodes=bounds.n_decodes, chunk_indices=bounds.chunk_indices,
-                                    grid_buf=grid_buf[0] if grid_buf else None)
+                                    grid=(grid[0], grid[1]) if grid else None)
         try:
             y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv_cache, ssm_cache))
         finally:

@@ -21,8 +21,8 @@ from titan_rl_ext.models.qwen3_5.gdn import GatedDeltaRuleKernel
 
 def grid_state() -> bool:
     """Whether the engine runs ``TITAN_GDN_BI_FORM=grid``: batch-invariant mode with that form. Its GDN layers then
-    carry the chunk grid's open-chunk buffer as a third state tensor (read by the model class's classmethods,
-    before any layer exists) and their rule kernels step the grid."""
+    carry the chunk grid's open-chunk buffer and boundary state as third and fourth state tensors (read by the
+    model class's classmethods, before any layer exists) and their rule kernels step the grid."""
     return bi.is_batch_invariant() and bi_form() == "grid"
 
 
@@ -82,22 +82,23 @@ class CachedStateRuleKernel(_SlotBound):
         super().__init__(base)
         self._n_decodes = 0
         self._chunk_indices: torch.Tensor | None = None
-        self._grid_buf: torch.Tensor | None = None
+        self._grid: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def bind(
         self, slots: torch.Tensor, keep: torch.Tensor | None, *, n_decodes: int = 0,
-        chunk_indices: torch.Tensor | None = None, grid_buf: torch.Tensor | None = None,
+        chunk_indices: torch.Tensor | None = None, grid: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """As ``_SlotBound.bind``, plus what an engine knows of the step's layout on the host: ``n_decodes``, how
         many leading sequences are one-token decodes followed by prefills (0: no such split), and the FLA chunk
-        indices of the prefill sequences (of all of them where ``n_decodes`` is 0). ``grid_buf`` ``[S, HV, C, R]``:
-        the open-chunk buffer cache of ``TITAN_GDN_BI_FORM=grid`` (its third state tensor), slots as ``state``'s."""
+        indices of the prefill sequences (of all of them where ``n_decodes`` is 0). ``grid``: the open-chunk buffer
+        ``[S, HV, C, R]`` and boundary state ``[S, HV, K, V]`` caches of ``TITAN_GDN_BI_FORM=grid`` (its third and
+        fourth state tensors), slots as ``state``'s."""
         super().bind(slots, keep)
-        self._n_decodes, self._chunk_indices, self._grid_buf = n_decodes, chunk_indices, grid_buf
+        self._n_decodes, self._chunk_indices, self._grid = n_decodes, chunk_indices, grid
 
     def unbind(self) -> None:
         super().unbind()
-        self._n_decodes, self._chunk_indices, self._grid_buf = 0, None, None
+        self._n_decodes, self._chunk_indices, self._grid = 0, None, None
 
     def _peels_decodes(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
         """Whether a mixed step (decodes first, then prefills) runs as two calls, as vLLM's own GDN layer does:
@@ -212,20 +213,22 @@ class CachedStateRuleKernel(_SlotBound):
         self, q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
         beta_TH: torch.Tensor, batch: SeqBatch, scale: float, S: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``TITAN_GDN_BI_FORM=grid``: every sequence of the step continued on the chunk grid from its slot's ``S``
-        and open-chunk rows. Returns the ``S`` cache itself (both caches advanced in place).
+        """``TITAN_GDN_BI_FORM=grid``: every sequence of the step continued on the chunk grid from its slot's running
+        state ``S`` (the ssm cache), boundary state and open-chunk rows. Returns the ``S`` cache itself (all three
+        caches advanced in place).
 
         A sequence's position on the grid (tokens seen) is its first token's position in this step: text
         positions count the tokens before, vLLM's align-mode cache hits included (the hit's block state, buffer
-        and all, is copied by the model's copy functions). So nothing else need be kept, and prefix-cache copies
-        of the buffer carry all the grid needs."""
+        and boundary state, is copied by the model's copy functions). So nothing else need be kept, and prefix-cache
+        copies carry all the grid needs."""
         from titan_rl_ext.kernels import gdn_chunk_grid as grid
 
-        slots, keep, buf = self._slots, self._keep, self._grid_buf
+        slots, keep = self._slots, self._keep
         assert slots is not None
-        if buf is None:
-            raise RuntimeError("TITAN_GDN_BI_FORM=grid needs the open-chunk buffer bound (the layer's third state "
-                               "tensor): was the engine started with this setting?")
+        if self._grid is None:
+            raise RuntimeError("TITAN_GDN_BI_FORM=grid needs the open-chunk buffer and boundary state bound (the "
+                               "layer's third and fourth state tensors): was the engine started with this setting?")
+        buf, S_b = self._grid
         T, N = q_THK.shape[0], slots.shape[0]
         if T == 0 or N == 0:
             return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=v_THV.device), S
@@ -233,27 +236,28 @@ class CachedStateRuleKernel(_SlotBound):
         # an empty sequence (a padded request) has no first token: any position serves it
         pos_N = batch.positions[cu[:-1].long().clamp(max=T - 1)]
         if keep is not None:
-            # a recycled slot holds another request's (or uninitialised) state: the grid starts fresh ones from a
-            # zero S row (its buffer rows are written before they are read)
-            fresh = torch.where(keep[:, None, None, None], S.index_select(0, slots), torch.zeros((), device=S.device))
-            S.index_copy_(0, slots, fresh)
+            # a recycled slot holds another request's (or uninitialised) state: the grid starts fresh ones from zero
+            # states (its buffer rows are written before they are read)
+            for cache in (S, S_b):
+                zero = torch.zeros((), device=S.device)
+                cache.index_copy_(0, slots, torch.where(keep[:, None, None, None], cache.index_select(0, slots), zero))
         if not grid_runs_kernels(q_THK):
-            o, _ = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, buf, pos_N.tolist(),
-                                    slots.tolist())
+            o, _ = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, S_b, buf,
+                                    pos_N.tolist(), slots.tolist())
             return o.to(v_THV.dtype), S
-        # the kernels address whole rows of contiguous caches; vLLM's mamba pages interleave the state tensors, so
-        # there the step's rows are gathered and scattered (a copy of each sequence's ~3 MiB per layer at the 9B)
-        in_place = S.is_contiguous() and buf.is_contiguous()
-        S_rows, buf_rows = (S, buf) if in_place else (S.index_select(0, slots), buf.index_select(0, slots))
+        # the kernels address each slot of the caches in place (vLLM's mamba pages interleave the state tensors,
+        # each slot contiguous); a layout they cannot address has the step's rows gathered and scattered
+        in_place = grid.state_layout_ok(S, S_b, buf)
+        rows = (S, S_b, buf) if in_place else tuple(t.index_select(0, slots) for t in (S, S_b, buf))
         if T == N and keep is None:  # decode-only: one token a sequence, positions and slots stay on the device
-            rows = slots.to(torch.int32) if in_place else torch.arange(N, dtype=torch.int32, device=slots.device)
-            o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, S_rows, buf_rows, pos_N.to(torch.int32), rows)
+            idx = slots.to(torch.int32) if in_place else torch.arange(N, dtype=torch.int32, device=slots.device)
+            o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, *rows, pos_N.to(torch.int32), idx)
         else:  # the prefill's chunk plan is made on the host
-            o, _ = grid.prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S_rows, buf_rows,
-                                pos_N.tolist(), slots.tolist() if in_place else None)
+            o, _ = grid.prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, *rows, pos_N.tolist(),
+                                slots.tolist() if in_place else None)
         if not in_place:
-            S.index_copy_(0, slots, S_rows)
-            buf.index_copy_(0, slots, buf_rows)
+            for cache, r in zip((S, S_b, buf), rows):
+                cache.index_copy_(0, slots, r)
         return o, S
 
     @staticmethod

@@ -362,16 +362,16 @@ BI_FORM_ENV = settings.GDN_BI_FORM.name
 
 def bi_form() -> BIForm:
     """The GDN definition batch-invariant mode runs (``TITAN_GDN_BI_FORM``): ``recurrent`` (token by token, the
-    default) or ``grid`` (``kernels.gdn_chunk_grid``: 64-token chunks from each sequence's first token, whose
-    prefill, decode and continued prefill give the same bits). The two round differently: trainer and generators
-    must name the same one."""
+    default) or ``grid`` (``kernels.gdn_chunk_grid``: boundary states of 64-token chunks from each sequence's first
+    token by the chunk formula, rows by the recurrent kernel from them; prefill, decode and continued prefill give
+    the same bits). The two round differently: trainer and generators must name the same one."""
     return settings.GDN_BI_FORM.get()  # type: ignore[return-value]
 
 
 def bi_form_problem(batch_invariant: bool) -> str | None:
     """Why ``TITAN_GDN_BI_FORM`` cannot hold for a process that starts with ``batch_invariant`` (None: it can):
     ``grid`` defines the rule under batch invariance only, and a generator sizes its GDN state (the open-chunk
-    buffer as a third tensor) once, at start-up."""
+    buffer and the boundary state as third and fourth tensors) once, at start-up."""
     if bi_form() == "grid" and not batch_invariant:
         return (f"{BI_FORM_ENV}=grid defines the GDN rule under batch invariance only: start with "
                 f"TITAN_BATCH_INVARIANT=1, or unset {BI_FORM_ENV}")
@@ -393,23 +393,26 @@ def grid_shape_problem(n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_d
 
 def grid_steps_torch(
     q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor, beta_TH: torch.Tensor,
-    cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor, pos: list[int], slots: list[int],
+    cu_seqlens: list[int], scale: float, S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor, pos: list[int],
+    slots: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid rule in plain PyTorch (``gdn_chunk_grid.prefill_torch``), continued from each sequence's state rows
-    ``slots[n]`` at ``pos[n]`` tokens seen; ``S``/``buf`` advanced in place: ``(o [T, HV, V] fp32, final)``. The CPU
+    ``slots[n]`` at ``pos[n]`` tokens seen; ``S_run``/``S_b``/``buf`` advanced in place: ``(o [T, HV, V] fp32,
+    final)``. The CPU
     form of both the trainer's packed forward and an engine's steps: one function, so that their bits match
     whatever the step layout (row views keep the state where the engine holds it, strided or not)."""
     from titan_rl_ext.kernels.gdn_chunk_grid import prefill_torch
 
-    return prefill_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, S, buf, pos, slots)
+    return prefill_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, S_run, S_b, buf, pos, slots)
 
 
 def gated_delta_rule_grid(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
     scale: float, initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole sequences from ``initial_state`` (zeros by default) on the chunk grid: the Triton kernels on CUDA, the
-    same tiles in plain PyTorch elsewhere (the interpreter is a test tool, not a CPU path): ``(o in v's dtype,
+    """Whole sequences from ``initial_state`` (zeros by default) on the chunk grid: the Triton kernels on CUDA (the
+    folds' tiles, then every chunk's rows as a recurrent segment of its own), the same definition in plain PyTorch
+    elsewhere (the interpreter is a test tool, not a CPU path): ``(o in v's dtype,
     final [N, HV, K, V])``."""
     from titan_rl_ext.kernels.gdn_chunk_grid import gated_delta_rule_chunk_grid, new_state
 
@@ -418,8 +421,8 @@ def gated_delta_rule_grid(
     if q.is_cuda:
         return gated_delta_rule_chunk_grid(q, k, v, g, beta, bounds, scale, initial_state)
     N = len(bounds) - 1
-    S, buf = new_state(N, v.shape[1], q.shape[2], v.shape[2], device=v.device, initial_state=initial_state)
-    o, final = grid_steps_torch(q, k, v, g, beta, bounds, scale, S, buf, [0] * N, list(range(N)))
+    state = new_state(N, v.shape[1], q.shape[2], v.shape[2], device=v.device, initial_state=initial_state)
+    o, final = grid_steps_torch(q, k, v, g, beta, bounds, scale, *state, [0] * N, list(range(N)))
     return o.to(v.dtype), final
 
 

@@ -1,47 +1,59 @@
-"""The gated delta rule on a chunk grid anchored at each sequence's first token, defined so that a whole-prompt
-prefill, a prefill continued from a cut anywhere and a decode step give the same bits, on tensor-core tiles.
+"""The gated delta rule on a chunk grid anchored at each sequence's first token: boundary states by the chunk
+formula on tensor-core tiles, rows by the recurrent kernel from their chunk's boundary state -- so a whole-prompt
+prefill, a prefill continued from a cut anywhere and a decode step give the same bits, a prefill runs its chunks'
+rows in parallel, and a decode step costs the recurrent kernel's step (plus a fold once every 64 tokens).
 
-Why: the recurrent kernel (``kernels.gdn_triton``) steps a sequence token by token, so a 32K-token prompt costs
-~30 ms per GDN layer on an H100 (FLA's chunk kernel ~3 ms). Here every sum is a matrix product on a fixed
-``C``-row tile (C = 64), the serial chain is one step per chunk, and a decode step is the same tile with its later
-rows zero, so the trainer (packed prefill), the generator's prefill (whole or chunked) and its decode steps agree
-bit for bit.
+Why: the recurrent kernel (``kernels.gdn_triton``) steps a sequence token by token, so a 32K-token prompt is a
+32K-long serial chain (~30 ms per GDN layer on an H100; FLA's chunk kernel ~3 ms). Here the serial chain is one
+fold a chunk (matrix products on a fixed 64-row tile), and the rows of every chunk are independent recurrent
+segments of at most 64 tokens, each started from its chunk's boundary state.
 
-Definition, per sequence and value head (key head ``hv // (HV // H)``), chunks of ``C`` rows from the sequence's
-first token, ``S [K, V]`` the state entering the chunk, rows after the chunk's last (in a prompt's last chunk, or
-an open chunk at a decode step) zero: ``k = v = q = 0``, ``g = beta = 0``. ``q, k, v`` are rounded to bf16 (the
-tensor cores' operands), ``g, beta`` fp32, ``q`` unscaled (``scale`` multiplies the output); q/k arrive
-L2-normalised, g/beta formed, as ``kernels.gdn`` makes them::
+Definition, per sequence and value head (key head ``hv // (HV // H)``), chunks of ``C`` rows (C = 64) from the
+sequence's first token. Boundary states ``S_b(0)`` = the initial state and, over chunk c's 64 raw rows (k rounded to
+bf16, the tensor cores' operand; v bf16; g, beta fp32; q/k arrive L2-normalised, g/beta formed, as ``kernels.gdn``
+makes them)::
 
-    G      = cumsum(g)                                          (over the chunk's rows)
+    G      = cumsum(g)
     A      = strictly_lower(beta_i exp(G_i - G_l) (k_i . k_l))   one [C, C] product k k^T
     T      = (I + A)^-1                                         16-row diagonal blocks by forward substitution,
                                                                 the blocks below by block substitution (tf32)
     W      = T (k * beta exp(G)),   U = T (v * beta)            bf16 operands, then stored bf16
-    delta  = U - W S                                            (S as bf16 operand)
-    o      = scale (exp(G) * (q S) + M delta),  M = lower_incl(exp(G_i - G_j) (q_i . k_j))   (M bf16)
-    S_next = exp(G_last) S + (k * exp(G_last - G))^T delta        complete chunks only; at a sequence's end the
-                                                                same fold to its last row gives its final state
+    delta  = U - W S_b(c)                                       (S_b as bf16 operand), stored bf16
+    S_b(c+1) = exp(G_last) S_b(c) + (k * exp(G_last - G))^T delta
 
-Every product is a ``tl.dot`` with fp32 accumulation at one tile shape; the mathematics is the gated delta rule's
-chunk form (``kernels.gdn.chunk_gated_delta_rule_torch``), as in FLA's ``chunk_gated_delta_rule``, so it differs
-from the token-by-token rule by bf16-operand rounding (~1e-2 on outputs of order 1). Why a row's bits depend only
-on the rows up to it, which is what makes a zero-padded chunk a prefix of the full one:
-``kernels.gdn_chunk_grid_triton``.
+Row t of chunk c: the output of the recurrent kernel (``gdn_triton``'s arithmetic and layout, unchanged) stepping
+from ``S_b(c)`` over rows 0..t of the chunk. The running state after a chunk's last row is discarded: the next
+chunk starts from ``S_b(c+1)``. The state after a sequence's last token (``final``) is the running state where the
+sequence ends mid-chunk, ``S_b`` where it ends on a boundary.
 
-State per sequence and layer: the boundary state ``S [HV, K, V]`` fp32 (the state at the sequence's last chunk
-boundary) and the open chunk's raw rows ``buffer [HV, C, R]`` bf16, ``R = K + V + 4``: ``[k | v | g | beta]``,
-``g`` and ``beta`` fp32 stored as two bf16 columns each (the buffer's fp32 view). The open chunk holds ``pos % C``
-rows, ``pos`` the tokens seen; rows beyond are stale and never read. A step rebuilds the open chunk's ``W, U, M``
-from these rows (the same bits as when they came). Bytes at the 9B's heads (HV 32, K = V = 128, C 64): S 2 MiB +
-buffer 1.03 MiB = 3.03 MiB, against the recurrent kernel's 2 MiB (``state_bytes``).
+Why the bits hold across calls: a row is the recurrent kernel's, whose per-token work depends on nothing but its
+constexprs (its prefill rows equal its decode steps bit for bit), started from the same ``S_b(c)`` (an exact copy);
+a fold always reads the chunk's 64 stored raw rows and ``S_b(c)`` and runs the same compiled kernels
+(``kernels.gdn_chunk_grid_triton``) at the same tile shape, whichever call completes the chunk. The folds are the
+gated delta rule's chunk form (as FLA's ``chunk_gated_delta_rule``), so a row differs from the token-by-token rule
+from position 0 by the bf16-operand rounding of its boundary state (~1e-2 on outputs of order 1).
 
-Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence, the plan on
-the device: CUDA-graph capturable), ``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional),
-``reference_float64`` (the gated delta rule's chunk form in float64: no bf16 rounding), ``prefill_torch`` (the same
-tiles in plain PyTorch: what runs off CUDA; its own bits, self-consistent across cuts and steps as the kernels
-are). Scratch of a call, per chunk and value head: ``W, U, k * exp(G_last - G)`` ``[C, K|V]`` and ``M [C, C]`` bf16,
-``A``/``T [C, C]`` and ``G [C]`` fp32 (at 32K tokens of the 9B: 1.2 GB; a decode step of B sequences: B x 2.4 MiB).
+State per sequence and layer: ``S_run [HV, K, V]`` fp32 (the running state: the recurrent form's ssm state), the
+boundary state ``S_b [HV, K, V]`` fp32 of the open chunk, and its raw rows ``buffer [HV, C, R]`` bf16,
+``R = K + V + 4``: ``[k | v | g | beta]``, ``g`` and ``beta`` fp32 stored as two bf16 columns each (the buffer's
+fp32 view). The open chunk holds ``pos % C`` rows, ``pos`` the tokens seen; rows beyond are stale and never read.
+Bytes at the 9B's heads (HV 32, K = V = 128): 2 + 2 + 1.03 = 5.03 MiB against the recurrent form's 2 MiB
+(``state_bytes``).
+
+A prefill (host-side plan, ``chunk_plan``): the folds of every chunk the call completes, in chain order per
+sequence, write each piece's starting state into a scratch ``[n_pieces, HV, K, V]`` fp32 (a sequence's first piece
+starts from its ``S_run``); then one recurrent launch runs every piece as a segment of its own from its scratch
+row; a sequence ending mid-chunk keeps its last segment's final state as ``S_run``. A decode step (the plan on the
+device: CUDA-graph capturable): the recurrent kernel's step on ``S_run`` (the recurrent form's decode), the row
+into the buffer, and the fold launches, whose programs exit at once for a sequence whose chunk does not complete
+at this token; where it does, ``S_b`` folds and ``S_run := S_b``.
+
+Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence),
+``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
+float64 without bf16 roundings), ``prefill_torch`` (the same definition in plain PyTorch: what runs off CUDA; its
+own bits, self-consistent across cuts and steps as the kernels are). Scratch of a call, per completing chunk and
+value head: ``W, U, k * exp(G_last - G)`` ``[C, K|V]`` bf16 and ``A``/``T [C, C]`` fp32 (64 KiB at the 9B's
+heads), plus the boundary states (64 KiB a piece and value head; at 32K tokens of the 9B: 1 + 1 GiB).
 
 Not here: a backward (the trainer's is the chunked form's), the fused q/k normalisation and gates of
 ``kernels.gdn_triton``.
@@ -53,10 +65,11 @@ import torch
 
 CHUNK = 64
 BV = 32  # value columns per chain program: 4 programs per head at V = 128
-# warps per kernel, fixed: every call (prefill, continued prefill, decode) compiles the same two kernels. At the 9B's
-# heads ptxas (sm_90a) reports 255 registers and ~0.7 KB of spill stores for intra at 8 warps (more at 4), none for
-# chain (``benchmarks/gdn_chunk_grid.py --compile-only``)
+# warps per kernel, fixed: every call (prefill, continued prefill, decode) compiles the same kernels
+# (``benchmarks/gdn_chunk_grid.py --compile-only`` reports their registers and spills)
 NUM_WARPS = {"intra": 8, "chain": 4}
+
+GridState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (S_run, S_b, buffer), each [N, ...] by slot
 
 
 def row_layout(K: int, V: int) -> dict[str, int]:
@@ -65,25 +78,25 @@ def row_layout(K: int, V: int) -> dict[str, int]:
 
 
 def state_bytes(HV: int, K: int, V: int, chunk: int = CHUNK) -> dict[str, int]:
-    """Bytes of one sequence's state per layer: ``S``, the open-chunk buffer, and their sum."""
+    """Bytes of one sequence's state per layer: ``S_run``, ``S_b``, the open-chunk buffer, and their sum."""
     s, b = HV * K * V * 4, HV * chunk * row_layout(K, V)["R"] * 2
-    return {"S": s, "buffer": b, "total": s + b}
+    return {"S_run": s, "S_b": s, "buffer": b, "total": 2 * s + b}
 
 
 def new_state(N: int, HV: int, K: int, V: int, chunk: int = CHUNK, device: torch.device | str = "cpu",
-              initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(S [N, HV, K, V] fp32, buffer [N, HV, C, R] bf16)`` for sequences at position 0 (``S`` zeros or a copy of
-    ``initial_state``; the buffer's rows are never read before they are written)."""
+              initial_state: torch.Tensor | None = None) -> GridState:
+    """``(S_run, S_b [N, HV, K, V] fp32, buffer [N, HV, C, R] bf16)`` for sequences at position 0 (both states
+    zeros or copies of ``initial_state``; the buffer's rows are never read before they are written)."""
     S = (torch.zeros(N, HV, K, V, dtype=torch.float32, device=device) if initial_state is None
          else initial_state.to(device=device, dtype=torch.float32).clone().contiguous())
-    return S, torch.zeros(N, HV, chunk, row_layout(K, V)["R"], dtype=torch.bfloat16, device=device)
+    return S, S.clone(), torch.zeros(N, HV, chunk, row_layout(K, V)["R"], dtype=torch.bfloat16, device=device)
 
 
 def chunk_plan(cu_seqlens: list[int], pos: list[int], chunk: int = CHUNK) -> dict[str, list[int]]:
     """Every piece of a packed prefill that falls in one chunk of its sequence's grid: packed index of its first
-    token (``tok``), the rows it fills (``r0``..``r1``, ``r0 > 0`` continuing an open chunk), its sequence
-    (``seq``), whether its rows go to the buffer (``save``: the sequence's last piece, ending mid-chunk);
-    ``first[n]``..``first[n+1]`` are sequence n's pieces, in order."""
+    token (``tok``), the rows it fills (``r0``..``r1``, ``r0 > 0`` continuing an open chunk, ``r1 == C`` completing
+    it: a fold), its sequence (``seq``), whether its rows go to the buffer (``save``: the sequence's last piece,
+    ending mid-chunk); ``first[n]``..``first[n+1]`` are sequence n's pieces, in order."""
     plan: dict[str, list[int]] = {"tok": [], "r0": [], "r1": [], "seq": [], "save": [], "first": [0]}
     for n, (s, e) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
         t, r = s, pos[n] % chunk
@@ -97,8 +110,21 @@ def chunk_plan(cu_seqlens: list[int], pos: list[int], chunk: int = CHUNK) -> dic
     return plan
 
 
+def _slotted(x: torch.Tensor) -> bool:
+    """``[N, ...]`` with each slot contiguous (any slot stride: an engine's mamba pages interleave its tensors)."""
+    return x.shape[0] == 0 or x[0].is_contiguous()
+
+
+def state_layout_ok(S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether the kernels can address these state caches in place: fp32 states and a bf16 buffer, each slot
+    contiguous, the buffer at an even bf16 offset and slot stride (its fp32 view)."""
+    return (S_run.dtype == S_b.dtype == torch.float32 and buf.dtype == torch.bfloat16
+            and _slotted(S_run) and _slotted(S_b) and _slotted(buf)
+            and buf.stride(0) % 2 == 0 and buf.storage_offset() % 2 == 0)
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           S: torch.Tensor, buf: torch.Tensor) -> None:
+           S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor) -> None:
     T, H, K = q.shape
     HV, V = v.shape[1:]
     if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % H:
@@ -109,11 +135,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a tile side); got {x}")
     R = row_layout(K, V)["R"]
-    if S.shape[1:] != (HV, K, V) or buf.shape[1:] != (HV, C, R) or S.shape[0] != buf.shape[0]:
-        raise ValueError(f"state must be S [N, {HV}, {K}, {V}] and buffer [N, {HV}, C, {R}]; got {tuple(S.shape)},"
-                         f" {tuple(buf.shape)}")
-    if S.dtype != torch.float32 or buf.dtype != torch.bfloat16 or not (S.is_contiguous() and buf.is_contiguous()):
-        raise ValueError("state tensors must be contiguous: S fp32, buffer bf16")
+    if (S_run.shape[1:] != (HV, K, V) or S_b.shape[1:] != (HV, K, V) or buf.shape[1:] != (HV, C, R)
+            or not S_run.shape[0] == S_b.shape[0] == buf.shape[0]):
+        raise ValueError(f"state must be S_run, S_b [N, {HV}, {K}, {V}] and buffer [N, {HV}, C, {R}]; got "
+                         f"{tuple(S_run.shape)}, {tuple(S_b.shape)}, {tuple(buf.shape)}")
+    if not state_layout_ok(S_run, S_b, buf):
+        raise ValueError("state tensors: S_run, S_b fp32 and the buffer bf16, each slot contiguous (the buffer at an"
+                         " even bf16 offset and slot stride: its fp32 view)")
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -121,63 +149,83 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
-            beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor,
-            pos: list[int] | None = None, slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed prompts continued from each sequence's state (``S``/``buf`` rows ``slots[n]``, default n; ``pos[n]``
-    tokens seen, default 0): returns ``(o [T, HV, V] in v's dtype, final [N, HV, K, V])``, the state after each
-    sequence's last token; ``S`` and ``buf`` are advanced in place (the caller advances ``pos`` by the lengths).
-    A sequence at ``pos`` 0 reads no buffer row but starts from its ``S`` row: zero it for a fresh sequence."""
-    from titan_rl_ext.kernels.gdn_chunk_grid_triton import run_kernels
+            beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S_run: torch.Tensor, S_b: torch.Tensor,
+            buf: torch.Tensor, pos: list[int] | None = None,
+            slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed prompts continued from each sequence's state (rows ``slots[n]`` of the three state tensors, default
+    n; ``pos[n]`` tokens seen, default 0): returns ``(o [T, HV, V] in v's dtype, final [N, HV, K, V])``, ``final``
+    each sequence's ``S_run`` after its last token; the state is advanced in place (the caller advances ``pos`` by
+    the lengths). A sequence at a chunk boundary (``pos % C == 0``) starts its rows from ``S_run``, which equals
+    ``S_b`` there: for a fresh sequence set both to its initial state."""
+    from titan_rl_ext.kernels.gdn_chunk_grid_triton import run_folds
+    from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
 
-    _check(q_THK, k_THK, v_THV, g_TH, beta_TH, S, buf)
+    _check(q_THK, k_THK, v_THV, g_TH, beta_TH, S_run, S_b, buf)
     N = len(cu_seqlens) - 1
     pos = [0] * N if pos is None else list(pos)
     slots = list(range(N)) if slots is None else list(slots)
-    if len(pos) != N or len(slots) != N or len(set(slots)) != N or any(not 0 <= x < S.shape[0] for x in slots):
-        raise ValueError(f"{N} sequences need {N} positions and distinct state rows in [0, {S.shape[0]}); got "
+    if len(pos) != N or len(slots) != N or len(set(slots)) != N or any(not 0 <= x < S_run.shape[0] for x in slots):
+        raise ValueError(f"{N} sequences need {N} positions and distinct state rows in [0, {S_run.shape[0]}); got "
                          f"{pos}, {slots}")
     dev = v_THV.device
-    plan = chunk_plan(cu_seqlens, pos, buf.shape[2])
+    C = buf.shape[2]
+    plan = chunk_plan(cu_seqlens, pos, C)
+    n_pieces = len(plan["tok"])
+    if n_pieces == 0:
+        return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev), S_run[slots].clone()
     plan["slot"] = [slots[n] for n in plan["seq"]]
     plan["seq_slot"] = slots
-    o = torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev)
-    final = torch.empty(N, *S.shape[1:], dtype=torch.float32, device=dev)
-    if N == 0:
-        return o, final
     plan_t = {key: torch.tensor(val, dtype=torch.int32, device=dev) for key, val in plan.items()}
-    qkv = [_unit_last(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH)]
-    run_kernels(*qkv, scale, plan_t, S, buf, o, final, min(BV, v_THV.shape[2]), NUM_WARPS)
-    return o, final
+    first, started = plan["first"], [n for n in range(N) if plan["first"][n] < plan["first"][n + 1]]
+    # each piece's starting state: a sequence's first from its S_run (before the folds may restart S_run), the
+    # later ones written by the fold chain
+    scratch = torch.empty(n_pieces, *S_run.shape[1:], dtype=torch.float32, device=dev)
+    idx = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    scratch[idx([first[n] for n in started])] = S_run[idx([slots[n] for n in started])]
+    q, k, v, g, beta = (_unit_last(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
+    run_folds(k, v, g, beta, plan_t, S_b, buf, S_run, scratch, min(BV, v.shape[2]), NUM_WARPS)
+    # every piece a segment of its own, from its scratch row (written back in place: its final state)
+    cu_seg = torch.tensor([*plan["tok"], cu_seqlens[-1]], dtype=torch.int32, device=dev)
+    o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, cu_seg, scale, scratch,
+                                      state_slots=torch.arange(n_pieces, device=dev))
+    # a sequence ending mid-chunk keeps its running state (one ending on a boundary got S_b in the chain)
+    mid = [n for n in started if plan["r1"][first[n + 1] - 1] < C]
+    if mid:
+        S_run[idx([slots[n] for n in mid])] = scratch[idx([first[n + 1] - 1 for n in mid])]
+    return o, S_run[slots].clone()
 
 
 def decode(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor, beta_BH: torch.Tensor,
-           scale: float, S: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor,
+           scale: float, S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor,
            slots: torch.Tensor | None = None) -> torch.Tensor:
     """One token for each of B sequences (state rows ``slots [B]``, default b; ``pos [B]``, the tokens seen before
-    this one; both on the device): returns ``o [B, HV, V]``; ``S``/``buf`` advanced in place (the caller advances
-    ``pos`` by one). The same kernels as ``prefill``, on one chunk a sequence whose row ``pos % C`` is this token;
-    the plan is made on the device (no host sync). Slots must be distinct."""
-    from titan_rl_ext.kernels.gdn_chunk_grid_triton import run_kernels
+    this one; both on the device): returns ``o [B, HV, V]``; the state advanced in place (the caller advances
+    ``pos`` by one). The recurrent kernel's step on ``S_run``, then the row into the buffer and, for a sequence
+    whose row ``pos % C`` is its chunk's last, the fold (``S_b``, then ``S_run := S_b``); no host sync. Slots must
+    be distinct."""
+    from titan_rl_ext.kernels.gdn_chunk_grid_triton import run_folds
+    from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
 
-    _check(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, S, buf)
+    _check(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, S_run, S_b, buf)
     B = q_BHK.shape[0]
     dev = v_BHV.device
     if slots is None:
-        if S.shape[0] != B:
-            raise ValueError(f"{B} tokens without slots need {B} state rows; got {S.shape[0]}")
+        if S_run.shape[0] != B:
+            raise ValueError(f"{B} tokens without slots need {B} state rows; got {S_run.shape[0]}")
         slots = torch.arange(B, dtype=torch.int32, device=dev)
     if pos.shape != (B,) or slots.shape != (B,):
         raise ValueError(f"{B} tokens need positions and slots [B]; got {tuple(pos.shape)}, {tuple(slots.shape)}")
-    o = torch.empty(v_BHV.shape, dtype=v_BHV.dtype, device=dev)
-    if B:
-        C = buf.shape[2]
-        r0 = (pos % C).to(torch.int32)
-        slots = slots.to(torch.int32)
-        plan = {"tok": torch.arange(B, dtype=torch.int32, device=dev), "r0": r0, "r1": r0 + 1, "slot": slots,
-                "save": (r0 + 1 < C).to(torch.int32), "first": torch.arange(B + 1, dtype=torch.int32, device=dev),
-                "seq_slot": slots}
-        qkv = [_unit_last(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH)]
-        run_kernels(*qkv, scale, plan, S, buf, o, None, min(BV, v_BHV.shape[2]), NUM_WARPS)
+    if B == 0:
+        return torch.empty(v_BHV.shape, dtype=v_BHV.dtype, device=dev)
+    q, k, v, g, beta = (_unit_last(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH))
+    ar = torch.arange(B + 1, dtype=torch.int32, device=dev)
+    o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, ar, scale, S_run, state_slots=slots)
+    C = buf.shape[2]
+    r0 = (pos % C).to(torch.int32)
+    slots = slots.to(torch.int32)
+    plan = {"tok": ar[:B], "r0": r0, "r1": r0 + 1, "slot": slots, "save": (r0 + 1 < C).to(torch.int32),
+            "first": ar, "seq_slot": slots}
+    run_folds(k, v, g, beta, plan, S_b, buf, S_run, None, min(BV, v.shape[2]), NUM_WARPS)
     return o
 
 
@@ -187,8 +235,8 @@ def gated_delta_rule_chunk_grid(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV:
                                 chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole prompts from ``initial_state`` (zeros by default): ``(o [T, HV, V], final [N, HV, K, V])``."""
     HV, V = v_THV.shape[1:]
-    S, buf = new_state(len(cu_seqlens) - 1, HV, k_THK.shape[2], V, chunk, v_THV.device, initial_state)
-    return prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, S, buf)
+    state = new_state(len(cu_seqlens) - 1, HV, k_THK.shape[2], V, chunk, v_THV.device, initial_state)
+    return prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, *state)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,8 +247,8 @@ def reference_float64(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Ten
                       beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float,
                       initial_state: torch.Tensor | None = None,
                       chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition's mathematics in float64 matrix form, without its bf16 roundings (triangular solves for
-    ``T``): ``(o, final)`` of whole prompts, float64."""
+    """The definition in float64 without its bf16 roundings (triangular solves for ``T``; rows token by token from
+    each chunk's boundary state): ``(o, final)`` of whole prompts, float64."""
     f64 = torch.float64
     T, H, K = q_THK.shape
     HV, V = v_THV.shape[1:]
@@ -214,16 +262,21 @@ def reference_float64(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Ten
         for lo in range(cu_seqlens[n], cu_seqlens[n + 1], chunk):
             hi = min(lo + chunk, cu_seqlens[n + 1])
             for h in range(HV):
-                S = S_all[n, h]
-                kc, qc, G, bc = k[lo:hi, h], q[lo:hi, h], torch.cumsum(g[lo:hi, h], 0), beta[lo:hi, h]
-                decay = torch.exp(G[:, None] - G[None, :])
-                eye = torch.eye(hi - lo, dtype=f64)
-                A = torch.tril(bc[:, None] * decay * (kc @ kc.T), diagonal=-1)
+                S_b = S_all[n, h].clone()
+                S = S_b.clone()
+                for t in range(lo, hi):  # the rows: the rule token by token from the boundary state
+                    S = S * torch.exp(g[t, h])
+                    S = S + torch.outer(k[t, h], beta[t, h] * (v[t, h] - k[t, h] @ S))
+                    o[t, h] = q[t, h] @ S
+                if hi - lo < chunk:  # a prompt's open chunk: its final state is the running state
+                    S_all[n, h] = S
+                    continue
+                kc, G, bc = k[lo:hi, h], torch.cumsum(g[lo:hi, h], 0), beta[lo:hi, h]
+                eye = torch.eye(chunk, dtype=f64)
+                A = torch.tril(bc[:, None] * torch.exp(G[:, None] - G[None, :]) * (kc @ kc.T), diagonal=-1)
                 U = torch.linalg.solve_triangular(eye + A, bc[:, None] * v[lo:hi, h], upper=False)
                 W = torch.linalg.solve_triangular(eye + A, (bc * torch.exp(G))[:, None] * kc, upper=False)
-                D = U - W @ S
-                o[lo:hi, h] = torch.exp(G)[:, None] * (qc @ S) + torch.tril(decay * (qc @ kc.T)) @ D
-                S_all[n, h] = torch.exp(G[-1]) * S + (torch.exp(G[-1] - G)[:, None] * kc).T @ D
+                S_all[n, h] = torch.exp(G[-1]) * S_b + (torch.exp(G[-1] - G)[:, None] * kc).T @ (U - W @ S_b)
     return o, S_all
 
 
@@ -238,33 +291,24 @@ def _f32_cols(rows: torch.Tensor, col: int) -> torch.Tensor:
     return rows[..., col:col + 2].contiguous().view(torch.float32)[..., 0]
 
 
-def _tile_torch(q_mHK: torch.Tensor, k_mHK: torch.Tensor, v_mHV: torch.Tensor, g_mH: torch.Tensor,
-                beta_mH: torch.Tensor, scale: float, S_HKV: torch.Tensor, rows_HCR: torch.Tensor, r0: int,
-                save: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One piece (rows ``r0 .. r0 + m`` of a chunk) on the whole zero-padded ``C``-row tile, all value heads:
-    ``(o [m, HV, V] fp32, state after the piece's last row [HV, K, V])``; ``S_HKV`` folded in place when the piece
-    completes the chunk, the rows saved to ``rows_HCR`` where ``save``."""
-    m, H, K = q_mHK.shape
-    HV, C, R = rows_HCR.shape
-    V = v_mHV.shape[2]
-    L = row_layout(K, V)
-    r1, rep, bf16 = r0 + m, HV // H, torch.bfloat16
-    k_new = k_mHK.repeat_interleave(rep, dim=1).transpose(0, 1).to(bf16)  # [HV, m, K]
-    v_new = v_mHV.transpose(0, 1).to(bf16)
-    g_new, b_new = g_mH.T.float(), beta_mH.T.float()  # [HV, m]
-    k = torch.zeros(HV, C, K, dtype=bf16)
-    v = torch.zeros(HV, C, V, dtype=bf16)
-    g = torch.zeros(HV, C)
-    beta = torch.zeros(HV, C)
-    q = torch.zeros(HV, C, K, dtype=bf16)
-    k[:, :r0], v[:, :r0] = rows_HCR[:, :r0, :K], rows_HCR[:, :r0, L["V"]:L["V"] + V]
-    g[:, :r0], beta[:, :r0] = _f32_cols(rows_HCR[:, :r0], L["G"]), _f32_cols(rows_HCR[:, :r0], L["B"])
-    k[:, r0:r1], v[:, r0:r1], g[:, r0:r1], beta[:, r0:r1] = k_new, v_new, g_new, b_new
-    q[:, r0:r1] = q_mHK.repeat_interleave(rep, dim=1).transpose(0, 1).to(bf16)
-    if save:
-        rows_HCR[:, r0:r1, :K], rows_HCR[:, r0:r1, L["V"]:L["V"] + V] = k_new, v_new
-        rows_HCR[:, r0:r1, L["G"]:L["G"] + 2] = g_new[..., None].contiguous().view(bf16)
-        rows_HCR[:, r0:r1, L["B"]:L["B"] + 2] = b_new[..., None].contiguous().view(bf16)
+def _save_rows_torch(rows_HCR: torch.Tensor, r0: int, k_mHK: torch.Tensor, v_mHV: torch.Tensor,
+                     g_mH: torch.Tensor, beta_mH: torch.Tensor) -> None:
+    """A piece's raw rows into buffer rows ``r0..`` (k, v bf16; g, beta fp32 as two bf16 columns each)."""
+    HV, K, bf16 = rows_HCR.shape[0], k_mHK.shape[2], torch.bfloat16
+    L, r1 = row_layout(K, v_mHV.shape[2]), r0 + k_mHK.shape[0]
+    rows_HCR[:, r0:r1, :K] = k_mHK.repeat_interleave(HV // k_mHK.shape[1], dim=1).transpose(0, 1).to(bf16)
+    rows_HCR[:, r0:r1, L["V"]:L["G"]] = v_mHV.transpose(0, 1).to(bf16)
+    rows_HCR[:, r0:r1, L["G"]:L["B"]] = g_mH.T.float()[..., None].contiguous().view(bf16)
+    rows_HCR[:, r0:r1, L["B"]:L["R"]] = beta_mH.T.float()[..., None].contiguous().view(bf16)
+
+
+def _fold_torch(rows_HCR: torch.Tensor, S_HKV: torch.Tensor) -> torch.Tensor:
+    """The fold of a complete chunk's stored raw rows ``[HV, C, R]`` from ``S_HKV``: ``S_b`` of the next chunk."""
+    HV, C, _ = rows_HCR.shape
+    K, V = S_HKV.shape[1:]
+    L, bf16 = row_layout(K, V), torch.bfloat16
+    k, v = rows_HCR[..., :K], rows_HCR[..., L["V"]:L["G"]]
+    g, beta = _f32_cols(rows_HCR, L["G"]), _f32_cols(rows_HCR, L["B"])
     G = torch.cumsum(g, 1)
     idx = torch.arange(C)
     strict, incl = idx[:, None] > idx[None, :], idx[:, None] >= idx[None, :]
@@ -275,37 +319,43 @@ def _tile_torch(q_mHK: torch.Tensor, k_mHK: torch.Tensor, v_mHV: torch.Tensor, g
     T = torch.where(incl, T, 0.0).to(bf16)
     W = _mm(T, (k.float() * (beta * torch.exp(G))[..., None]).to(bf16)).to(bf16)
     U = _mm(T, (v.float() * beta[..., None]).to(bf16)).to(bf16)
-    M = torch.where(incl, decay * _mm(q, k.transpose(1, 2)), 0.0).to(bf16)
-    G_end = G[:, r1 - 1]
-    kg = (k.float() * torch.exp(G_end[:, None] - G)[..., None]).to(bf16)
-    S_b = S_HKV.to(bf16)
-    delta = (U.float() - _mm(W, S_b)).to(bf16)
-    o = (torch.exp(G)[..., None] * _mm(q, S_b) + _mm(M, delta)) * scale
-    final = torch.exp(G_end)[:, None, None] * S_HKV + _mm(kg.transpose(1, 2), delta)
-    if r1 == C:
-        S_HKV.copy_(final)
-    return o[:, r0:r1].transpose(0, 1), final
+    G_last = G[:, C - 1]
+    kg = (k.float() * torch.exp(G_last[:, None] - G)[..., None]).to(bf16)
+    delta = (U.float() - _mm(W, S_HKV.to(bf16))).to(bf16)
+    return torch.exp(G_last)[:, None, None] * S_HKV + _mm(kg.transpose(1, 2), delta)
 
 
 def prefill_torch(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
-                  beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S: torch.Tensor, buf: torch.Tensor,
-                  pos: list[int] | None = None, slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prefill`` in plain PyTorch, piece by piece on whole tiles: ``(o [T, HV, V] fp32, final [N, HV, K, V])``;
-    ``S``/``buf`` advanced in place (row views: the state may live in a strided engine cache). A decode step is a
-    call with one token a sequence. Its own bits (not the kernels': other sum orders), the same for a sequence
-    however its tokens are cut into calls."""
+                  beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S_run: torch.Tensor,
+                  S_b: torch.Tensor, buf: torch.Tensor, pos: list[int] | None = None,
+                  slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prefill`` in plain PyTorch, piece by piece (rows by ``kernels.gdn.recurrent_gated_delta_rule_torch``, folds
+    on whole tiles): ``(o [T, HV, V] fp32, final [N, HV, K, V])``; the state advanced in place (row views: it may
+    live in a strided engine cache). A decode step is a call with one token a sequence. Its own bits (not the
+    kernels': other sum orders), the same for a sequence however its tokens are cut into calls."""
+    from titan_rl_ext.kernels.gdn import recurrent_gated_delta_rule_torch
+
     N = len(cu_seqlens) - 1
     pos = [0] * N if pos is None else list(pos)
     slots = list(range(N)) if slots is None else list(slots)
-    plan = chunk_plan(cu_seqlens, pos, buf.shape[2])
+    C = buf.shape[2]
+    plan = chunk_plan(cu_seqlens, pos, C)
     o = torch.empty(v_THV.shape, dtype=torch.float32, device=v_THV.device)
-    final = torch.empty(N, *S.shape[1:], dtype=torch.float32, device=S.device)
+    final = torch.empty(N, *S_run.shape[1:], dtype=torch.float32, device=S_run.device)
     for n, slot in enumerate(slots):
-        fin = S[slot].clone()
+        S = S_run[slot].clone()
         for c in range(plan["first"][n], plan["first"][n + 1]):
             t, r0, r1 = plan["tok"][c], plan["r0"][c], plan["r1"][c]
             sl = slice(t, t + r1 - r0)
-            o[sl], fin = _tile_torch(q_THK[sl], k_THK[sl], v_THV[sl], g_TH[sl], beta_TH[sl], scale, S[slot],
-                                     buf[slot], r0, bool(plan["save"][c]))
-        final[n] = fin
+            x = (q_THK[sl], k_THK[sl], v_THV[sl], g_TH[sl], beta_TH[sl])
+            o_c, fin = recurrent_gated_delta_rule_torch(*x, torch.tensor([0, r1 - r0]), scale, S[None])
+            o[sl] = o_c.float()
+            _save_rows_torch(buf[slot], r0, *x[1:])
+            if r1 == C:
+                S_b[slot] = _fold_torch(buf[slot], S_b[slot])
+                S = S_b[slot].clone()
+            else:
+                S = fin[0]
+        S_run[slot] = S
+        final[n] = S
     return o, final

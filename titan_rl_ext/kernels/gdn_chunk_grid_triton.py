@@ -1,25 +1,27 @@
-"""Triton kernels of the chunk-grid gated delta rule (``kernels.gdn_chunk_grid`` has the definition, the layouts and
-the public API; this module only launches).
+"""Triton kernels of the chunk-grid gated delta rule's boundary states (``kernels.gdn_chunk_grid`` has the
+definition, the layouts and the public API; this module only launches). The rows are the recurrent kernel's
+(``kernels.gdn_triton``), launched by ``gdn_chunk_grid``.
 
-Two kernels of arithmetic, and every call -- a packed prefill, a prefill continued mid-chunk, a decode step -- runs
-these same two compiled kernels on whole ``C``-row chunk tiles (the same constexprs, ``num_warps`` and tile shapes,
-so the same layouts and the same order inside every ``tl.dot`` and reduction):
+Three kernels, and every call -- a packed prefill, a prefill continued mid-chunk, a decode step -- runs these same
+compiled kernels on whole ``C``-row chunk tiles (the same constexprs, ``num_warps`` and tile shapes, so the same
+layouts and the same order inside every ``tl.dot`` and reduction):
 
-- ``_intra_kernel``, program (chunk, value head): the chunk's rows (earlier rows of an open chunk from the state
-  buffer, the call's rows from its inputs, zeros after), ``G``, ``A``, ``T = (I + A)^-1``, ``W``, ``U``, the output
-  weights ``M`` and the fold's scaled keys, into scratch;
-- ``_save_kernel``, program (chunk, value head): the call's rows of a sequence's last, open chunk into the buffer
-  (after every ``_intra_kernel`` program has read the earlier rows there);
-- ``_chain_kernel``, program (sequence, value head, ``BV`` value columns): the sequence's chunks in order --
-  ``delta = U - W S``, the outputs, the fold into ``S`` at complete chunks, the state after the last token.
+- ``_intra_kernel``, program (piece, value head), only for a piece that completes its chunk (the others exit at
+  once, which is what a decode step that folds nothing costs): the chunk's 64 raw rows (earlier rows of an open
+  chunk from the state buffer, the call's rows from its inputs), ``G``, ``A``, ``T = (I + A)^-1``, ``W``, ``U``
+  and the fold's decayed keys, into scratch;
+- ``_save_kernel``, program (piece, value head): the call's rows of a sequence's last, open chunk into the buffer.
+  A launch of its own, after ``_intra_kernel``: a call that continues one open chunk and ends in another reads the
+  first's earlier rows from the same buffer rows the second's new rows go to, and programs of one launch run in no
+  set order (the interpreter runs them in order, so only this ordering keeps the GPU honest);
+- ``_chain_kernel``, program (sequence, value head, ``BV`` value columns): the sequence's pieces in order, folding
+  each complete chunk into the boundary state ``S_b``, writing the state each later piece's rows start from into
+  the per-piece scratch, and ``S_b`` (and, where the sequence's last piece completes its chunk, the running state)
+  back to the caches.
 
-Why a row's bits do not depend on the rows after it: each element of a ``tl.dot`` result is computed from its own
-row of the left operand and its own column of the right one, in an order fixed by the (fixed) tile shape; every
-triangular factor (``A``, ``T``, ``M``) has exact zeros above its diagonal (``tl.where`` / masked loads), so the
-terms a later row contributes to row ``t`` are exact zeros whatever that row holds, as long as it is finite (rows
-after the chunk's last are loaded as zeros, never read from stale memory); ``tl.cumsum`` gives row ``t`` from rows
-``<= t``. Hence row ``t`` of a chunk whose later rows are zeros (a decode step, a packed prompt's last chunk) has
-the bits of the same row in the completed chunk.
+A fold's bits do not depend on the call that makes it: it always reads the chunk's 64 rows (from the buffer or
+the inputs: the same values, bf16 k/v and fp32 g/beta stored as given) and ``S_b``, and runs the same compiled
+kernels at the same tile shape.
 
 Under the interpreter (CPU tensors) ``tl.dot`` runs numpy, whose float32 BLAS does not round a row alike at every
 position in a tile; ``UPCAST`` makes it a float64 dot rounded once to fp32, exact for bf16 products and
@@ -91,86 +93,84 @@ def _solve_unit_lower(a_base, C: tl.constexpr, UPCAST: tl.constexpr):
 # substitution's ``tl.reduce`` -- so a prompt continued from a slice at an odd token would round differently from
 # the whole prompt (an engine's q/k/v are views at whatever offset the step's layout gives). Every pointer and
 # stride is left unspecialised: one compiled kernel for every call.
-_INTRA_PTRS = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "tok_ptr", "r0_ptr", "r1_ptr", "slot_ptr", "bufh_ptr",
-               "buff_ptr", "w_ptr", "u_ptr", "m_ptr", "kg_ptr", "gs_ptr", "a_ptr"]
-_CHAIN_PTRS = ["q_ptr", "tok_ptr", "r0_ptr", "r1_ptr", "first_ptr", "slot_ptr", "w_ptr", "u_ptr", "m_ptr", "kg_ptr",
-               "gs_ptr", "s_ptr", "final_ptr", "o_ptr"]
+_INTRA_INTS = ["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t", "sbuf_n"]
+_INTRA_PTRS = ["k_ptr", "v_ptr", "g_ptr", "beta_ptr", "tok_ptr", "r0_ptr", "r1_ptr", "slot_ptr", "bufh_ptr",
+               "buff_ptr", "w_ptr", "u_ptr", "kg_ptr", "gl_ptr", "a_ptr"]
+_CHAIN_INTS = ["sb_n", "srun_n"]
+_CHAIN_PTRS = ["r1_ptr", "first_ptr", "slot_ptr", "w_ptr", "u_ptr", "kg_ptr", "gl_ptr", "sb_ptr", "srun_ptr",
+               "scr_ptr"]
 
 
-@triton.jit(do_not_specialize=["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"],
-            do_not_specialize_on_alignment=_INTRA_PTRS + ["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"])
+@triton.jit(do_not_specialize=_INTRA_INTS, do_not_specialize_on_alignment=_INTRA_PTRS + _INTRA_INTS)
 def _intra_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, bufh_ptr, buff_ptr,
-    w_ptr, u_ptr, m_ptr, kg_ptr, gs_ptr, a_ptr,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
+    k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, bufh_ptr, buff_ptr,
+    w_ptr, u_ptr, kg_ptr, gl_ptr, a_ptr,
+    sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sbuf_n,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
-    h = hv // (HV // H)
-    t0 = tl.load(tok_ptr + c).to(tl.int64)
-    r0 = tl.load(r0_ptr + c)
     r1 = tl.load(r1_ptr + c)
-    slot = tl.load(slot_ptr + c).to(tl.int64)
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, K)
-    offs_v = tl.arange(0, V)
-    old = offs_c < r0
-    new = (offs_c >= r0) & (offs_c < r1)
-    tok = t0 + (offs_c - r0).to(tl.int64)
-    # the open chunk's raw rows: bf16 k | v, then fp32 g, beta (the buffer's fp32 view, half as many columns)
-    rows_h = bufh_ptr + (slot * HV + hv) * C * R
-    rows_f = buff_ptr + (slot * HV + hv) * C * (R // 2)
-    p_kh = rows_h + offs_c[:, None] * R + offs_k[None, :]
-    p_vh = rows_h + offs_c[:, None] * R + K + offs_v[None, :]
-    p_gf = rows_f + offs_c * (R // 2) + (K + V) // 2
-    k_in = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=new[:, None], other=0.0)
-    k_in = k_in.to(tl.bfloat16)
-    g_in = tl.load(g_ptr + tok * sg_t + hv, mask=new, other=0.0).to(tl.float32)
-    b_in = tl.load(beta_ptr + tok * sb_t + hv, mask=new, other=0.0).to(tl.float32)
-    k = tl.where(old[:, None], tl.load(p_kh, mask=old[:, None], other=0.0), k_in)
-    g = tl.where(old, tl.load(p_gf, mask=old, other=0.0), g_in)
-    beta = tl.where(old, tl.load(p_gf + 1, mask=old, other=0.0), b_in)
-    G = tl.cumsum(g, 0)
-    base = c * HV + hv
-    tl.store(gs_ptr + base * C + offs_c, G)
-    # the products of k first, so that few tiles stay live across the inverse (register pressure)
-    decay = tl.exp(G[:, None] - G[None, :])  # > 1 only above the diagonal, where it is masked off
-    A = _dot(k, tl.trans(k), UPCAST)
-    A = tl.where(offs_c[:, None] > offs_c[None, :], (beta[:, None] * decay) * A, 0.0)
-    a_base = a_ptr + base * C * C
-    tl.store(a_base + offs_c[:, None] * C + offs_c[None, :], A)
-    # output weights: rows before r0 have no query here (their outputs were made when they came)
-    q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + offs_k[None, :], mask=new[:, None], other=0.0)
-    M = tl.where(offs_c[:, None] >= offs_c[None, :], decay * _dot(q.to(tl.bfloat16), tl.trans(k), UPCAST), 0.0)
-    tl.store(m_ptr + base * C * C + offs_c[:, None] * C + offs_c[None, :], M.to(tl.bfloat16))
-    # keys as the fold weighs them, decayed to the chunk's last row r1 - 1 (rows after it are zero)
-    G_end = tl.reduce(tl.where(offs_c == r1 - 1, G, 0.0), 0, _ADD)  # one-hot: exact
-    kg = k.to(tl.float32) * tl.exp(G_end - G)[:, None]
-    tl.store(kg_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], kg.to(tl.bfloat16))
-    tl.debug_barrier()
-    _solve_unit_lower(a_base, C, UPCAST)
-    T = tl.load(a_base + offs_c[:, None] * C + offs_c[None, :], mask=offs_c[:, None] >= offs_c[None, :], other=0.0)
-    T = T.to(tl.bfloat16)
-    W = _dot(T, (k.to(tl.float32) * (beta * tl.exp(G))[:, None]).to(tl.bfloat16), UPCAST)
-    tl.store(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], W.to(tl.bfloat16))
-    v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
-    v_in = v_in.to(tl.bfloat16)
-    v = tl.where(old[:, None], tl.load(p_vh, mask=old[:, None], other=0.0), v_in)
-    U = _dot(T, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16), UPCAST)
-    tl.store(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :], U.to(tl.bfloat16))
+    if r1 == C:  # only a piece that completes its chunk folds
+        h = hv // (HV // H)
+        t0 = tl.load(tok_ptr + c).to(tl.int64)
+        r0 = tl.load(r0_ptr + c)
+        slot = tl.load(slot_ptr + c).to(tl.int64)
+        offs_c = tl.arange(0, C)
+        offs_k = tl.arange(0, K)
+        offs_v = tl.arange(0, V)
+        old = offs_c < r0
+        new = offs_c >= r0
+        tok = t0 + (offs_c - r0).to(tl.int64)
+        # the open chunk's raw rows: bf16 k | v, then fp32 g, beta (the buffer's fp32 view, half as many columns)
+        rows_h = bufh_ptr + slot * sbuf_n + hv * C * R
+        rows_f = buff_ptr + slot * (sbuf_n // 2) + hv * C * (R // 2)
+        p_kh = rows_h + offs_c[:, None] * R + offs_k[None, :]
+        p_vh = rows_h + offs_c[:, None] * R + K + offs_v[None, :]
+        p_gf = rows_f + offs_c * (R // 2) + (K + V) // 2
+        k_in = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=new[:, None], other=0.0)
+        k_in = k_in.to(tl.bfloat16)
+        g_in = tl.load(g_ptr + tok * sg_t + hv, mask=new, other=0.0).to(tl.float32)
+        b_in = tl.load(beta_ptr + tok * sb_t + hv, mask=new, other=0.0).to(tl.float32)
+        k = tl.where(old[:, None], tl.load(p_kh, mask=old[:, None], other=0.0), k_in)
+        g = tl.where(old, tl.load(p_gf, mask=old, other=0.0), g_in)
+        beta = tl.where(old, tl.load(p_gf + 1, mask=old, other=0.0), b_in)
+        G = tl.cumsum(g, 0)
+        base = c * HV + hv
+        # the products of k first, so that few tiles stay live across the inverse (register pressure)
+        decay = tl.exp(G[:, None] - G[None, :])  # > 1 only above the diagonal, where it is masked off
+        A = _dot(k, tl.trans(k), UPCAST)
+        A = tl.where(offs_c[:, None] > offs_c[None, :], (beta[:, None] * decay) * A, 0.0)
+        a_base = a_ptr + base * C * C
+        tl.store(a_base + offs_c[:, None] * C + offs_c[None, :], A)
+        # keys as the fold weighs them, decayed to the chunk's last row
+        G_last = tl.reduce(tl.where(offs_c == C - 1, G, 0.0), 0, _ADD)  # one-hot: exact
+        tl.store(gl_ptr + base, G_last)
+        kg = k.to(tl.float32) * tl.exp(G_last - G)[:, None]
+        tl.store(kg_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], kg.to(tl.bfloat16))
+        tl.debug_barrier()
+        _solve_unit_lower(a_base, C, UPCAST)
+        T = tl.load(a_base + offs_c[:, None] * C + offs_c[None, :], mask=offs_c[:, None] >= offs_c[None, :],
+                    other=0.0)
+        T = T.to(tl.bfloat16)
+        W = _dot(T, (k.to(tl.float32) * (beta * tl.exp(G))[:, None]).to(tl.bfloat16), UPCAST)
+        tl.store(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :], W.to(tl.bfloat16))
+        v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
+        v_in = v_in.to(tl.bfloat16)
+        v = tl.where(old[:, None], tl.load(p_vh, mask=old[:, None], other=0.0), v_in)
+        U = _dot(T, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16), UPCAST)
+        tl.store(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :], U.to(tl.bfloat16))
 
 
-@triton.jit(do_not_specialize=["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t"])
+@triton.jit(do_not_specialize=["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t", "sbuf_n"])
 def _save_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, save_ptr, bufh_ptr, buff_ptr,
-    sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
+    sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, sbuf_n,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
 ):
-    """The call's rows of each sequence's last, open chunk into its buffer. A launch of its own, after
-    ``_intra_kernel``: a call that continues one open chunk and ends in another reads the first's earlier rows
-    from the same buffer rows the second's new rows go to, and programs of one launch run in no set order."""
+    """The call's rows of each sequence's last, open chunk into its buffer (see the module docstring: after
+    ``_intra_kernel``, in a launch of its own)."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     if tl.load(save_ptr + c) != 0:
@@ -184,8 +184,8 @@ def _save_kernel(
         offs_v = tl.arange(0, V)
         new = (offs_c >= r0) & (offs_c < r1)
         tok = t0 + (offs_c - r0).to(tl.int64)
-        rows_h = bufh_ptr + (slot * HV + hv) * C * R
-        rows_f = buff_ptr + (slot * HV + hv) * C * (R // 2)
+        rows_h = bufh_ptr + slot * sbuf_n + hv * C * R
+        rows_f = buff_ptr + slot * (sbuf_n // 2) + hv * C * (R // 2)
         k_in = tl.load(k_ptr + tok[:, None] * sk_t + h * sk_h + offs_k[None, :], mask=new[:, None], other=0.0)
         v_in = tl.load(v_ptr + tok[:, None] * sv_t + hv * sv_h + offs_v[None, :], mask=new[:, None], other=0.0)
         g_in = tl.load(g_ptr + tok * sg_t + hv, mask=new, other=0.0).to(tl.float32)
@@ -197,93 +197,77 @@ def _save_kernel(
         tl.store(p_gf + 1, b_in, mask=new)
 
 
-@triton.jit(do_not_specialize=["scale", "sq_t", "sq_h", "so_t", "so_h", "has_final"],
-            do_not_specialize_on_alignment=_CHAIN_PTRS + ["sq_t", "sq_h", "so_t", "so_h", "has_final"])
+@triton.jit(do_not_specialize=_CHAIN_INTS, do_not_specialize_on_alignment=_CHAIN_PTRS + _CHAIN_INTS)
 def _chain_kernel(
-    q_ptr, tok_ptr, r0_ptr, r1_ptr, first_ptr, slot_ptr, w_ptr, u_ptr, m_ptr, kg_ptr, gs_ptr, s_ptr, final_ptr,
-    o_ptr, scale, sq_t, sq_h, so_t, so_h, has_final,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    UPCAST: tl.constexpr,
+    r1_ptr, first_ptr, slot_ptr, w_ptr, u_ptr, kg_ptr, gl_ptr, sb_ptr, srun_ptr, scr_ptr, sb_n, srun_n,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, UPCAST: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     i_v = tl.program_id(2)
-    h = hv // (HV // H)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
-    s_base = s_ptr + (tl.load(slot_ptr + n).to(tl.int64) * HV + hv) * K * V
-    p_S = offs_k[:, None] * V + offs_v[None, :]
-    S = tl.load(s_base + p_S)
-    final = S
-    folded = tl.program_id(0) * 0  # an int32 scalar, carried by the loop
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    p_S = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
     c_beg = tl.load(first_ptr + n).to(tl.int64)
     c_end = tl.load(first_ptr + n + 1).to(tl.int64)
-    for c in range(c_beg, c_end):
-        t0 = tl.load(tok_ptr + c).to(tl.int64)
-        r0 = tl.load(r0_ptr + c)
-        r1 = tl.load(r1_ptr + c)
-        new = (offs_c >= r0) & (offs_c < r1)
-        tok = t0 + (offs_c - r0).to(tl.int64)
-        base = c * HV + hv
-        W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
-        U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
-        q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + offs_k[None, :], mask=new[:, None], other=0.0)
-        M = tl.load(m_ptr + base * C * C + offs_c[:, None] * C + offs_c[None, :])
-        kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
-        G = tl.load(gs_ptr + base * C + offs_c)
-        S_b = S.to(tl.bfloat16)
-        delta = (U - _dot(W, S_b, UPCAST)).to(tl.bfloat16)
-        o = (tl.exp(G)[:, None] * _dot(q.to(tl.bfloat16), S_b, UPCAST) + _dot(M, delta, UPCAST)) * scale
-        tl.store(o_ptr + tok[:, None] * so_t + hv * so_h + offs_v[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=new[:, None])
-        G_end = tl.reduce(tl.where(offs_c == r1 - 1, G, 0.0), 0, _ADD)  # one-hot: exact
-        final = tl.exp(G_end) * S + _dot(kgT, delta, UPCAST)
-        S = tl.where(r1 == C, final, S)  # only a complete chunk moves the boundary state
-        folded = tl.maximum(folded, (r1 == C).to(tl.int32))
-    if folded != 0:
-        tl.store(s_base + p_S, S)
-    if has_final != 0:
-        tl.store(final_ptr + (n * HV + hv) * K * V + p_S, final)
+    last_folds = (c_end > c_beg) & (tl.load(r1_ptr + c_end - 1, mask=c_end > c_beg, other=0) == C)
+    # a sequence whose pieces fold nothing (a decode step inside its chunk, a short continuation) reads nothing more
+    if (c_end - c_beg > 1) | last_folds:
+        S = tl.load(sb_ptr + slot * sb_n + p_S)
+        for c in range(c_beg, c_end):
+            if tl.load(r1_ptr + c) == C:  # every piece but a sequence's last completes its chunk
+                base = c * HV + hv
+                W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
+                U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
+                kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
+                G_last = tl.load(gl_ptr + base)
+                delta = (U - _dot(W, S.to(tl.bfloat16), UPCAST)).to(tl.bfloat16)
+                S = tl.exp(G_last) * S + _dot(kgT, delta, UPCAST)
+            if c + 1 < c_end:  # the next piece's rows start from this boundary state
+                tl.store(scr_ptr + (c + 1) * HV * K * V + p_S, S)
+        tl.store(sb_ptr + slot * sb_n + p_S, S)
+        if last_folds:  # a chunk just completed: the running state restarts at its boundary
+            tl.store(srun_ptr + slot * srun_n + p_S, S)
 
 
-def run_kernels(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-    plan: dict[str, torch.Tensor], S: torch.Tensor, buf: torch.Tensor, o: torch.Tensor, final: torch.Tensor | None,
-    BV: int, num_warps: dict[str, int],
+def run_folds(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, plan: dict[str, torch.Tensor],
+    S_b: torch.Tensor, buf: torch.Tensor, S_run: torch.Tensor, scratch: torch.Tensor | None, BV: int,
+    num_warps: dict[str, int],
 ) -> None:
-    """Both launches over ``plan`` (``gdn_chunk_grid`` builds it: per chunk ``tok, r0, r1, slot, save``, per
-    sequence ``first, seq_slot``); ``final [N, HV, K, V]`` written where given."""
-    H, K = q.shape[1:]
+    """The three launches over ``plan`` (``gdn_chunk_grid`` builds it: per piece ``tok, r0, r1, slot, save``, per
+    sequence ``first, seq_slot``): the folds into ``S_b``, the open rows into ``buf``, and where a sequence's last
+    piece completes its chunk ``S_run := S_b``; ``scratch [n_pieces, HV, K, V]`` gets each later piece's starting
+    state where given. Caches are indexed by slot with any slot stride (each slot contiguous)."""
+    H, K = k.shape[1:]
     HV, V = v.shape[1:]
     C, R = buf.shape[2:]
-    n_chunks = plan["tok"].shape[0]
+    n_pieces = plan["tok"].shape[0]
     N = plan["seq_slot"].shape[0]
     dev, bf16 = v.device, torch.bfloat16
     upcast = dev.type != "cuda"
     # contraction pinned, not left to Triton's default (an environment variable): every process that computes the
     # grid -- trainer and generators -- must compile the same kernels
     opts = {} if upcast else {"enable_fp_fusion": True}
-    w = torch.empty(n_chunks, HV, C, K, dtype=bf16, device=dev)
-    u = torch.empty(n_chunks, HV, C, V, dtype=bf16, device=dev)
-    kg = torch.empty(n_chunks, HV, C, K, dtype=bf16, device=dev)
-    m = torch.empty(n_chunks, HV, C, C, dtype=bf16, device=dev)
-    gs = torch.empty(n_chunks, HV, C, dtype=torch.float32, device=dev)
-    a = torch.empty(n_chunks, HV, C, C, dtype=torch.float32, device=dev)
-    _intra_kernel[(n_chunks, HV)](
-        q, k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], buf,
-        buf.view(torch.float32), w, u, m, kg, gs, a,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+    w = torch.empty(n_pieces, HV, C, K, dtype=bf16, device=dev)
+    u = torch.empty(n_pieces, HV, C, V, dtype=bf16, device=dev)
+    kg = torch.empty(n_pieces, HV, C, K, dtype=bf16, device=dev)
+    gl = torch.empty(n_pieces, HV, dtype=torch.float32, device=dev)
+    a = torch.empty(n_pieces, HV, C, C, dtype=torch.float32, device=dev)
+    buf_f = buf.view(torch.float32)
+    strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), buf.stride(0))
+    _intra_kernel[(n_pieces, HV)](
+        k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], buf, buf_f, w, u, kg, gl, a, *strides,
         H=H, HV=HV, K=K, V=V, C=C, R=R, UPCAST=upcast, num_warps=num_warps["intra"], **opts,
     )
-    _save_kernel[(n_chunks, HV)](
-        k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], plan["save"], buf, buf.view(torch.float32),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+    _save_kernel[(n_pieces, HV)](
+        k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], plan["save"], buf, buf_f, *strides,
         H=H, HV=HV, K=K, V=V, C=C, R=R, num_warps=4,
     )
     _chain_kernel[(N, HV, V // BV)](
-        q, plan["tok"], plan["r0"], plan["r1"], plan["first"], plan["seq_slot"], w, u, m, kg, gs, S,
-        S if final is None else final, o, scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        int(final is not None), H=H, HV=HV, K=K, V=V, BV=BV, C=C, UPCAST=upcast, num_warps=num_warps["chain"],
-        **opts,
+        plan["r1"], plan["first"], plan["seq_slot"], w, u, kg, gl, S_b, S_run, S_b if scratch is None else scratch,
+        S_b.stride(0), S_run.stride(0), HV=HV, K=K, V=V, BV=BV, C=C, UPCAST=upcast,
+        num_warps=num_warps["chain"], **opts,
     )

@@ -164,8 +164,8 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
     scale = heads[2] ** -0.5
     # every sequence's open chunk filled by a prefill of one chunk less a token (its rows 0..C-2 real)
     fill = _inputs(B * (chunk - 1), dev, heads, seed=B + 8)
-    st = cg.new_state(B, *heads[1:], chunk, dev,
-                      torch.randn(B, *heads[1:], device=dev, generator=torch.Generator(device=dev).manual_seed(B)) * 0.1)
+    s0 = torch.randn(B, *heads[1:], device=dev, generator=torch.Generator(device=dev).manual_seed(B)) * 0.1
+    st = cg.new_state(B, *heads[1:], chunk, dev, s0)
     cg.prefill(*fill.values(), list(range(0, B * (chunk - 1) + 1, chunk - 1)), scale, *st)
     row: dict[str, Any] = {"case": f"decode B={B}", "B": B}
     # the bits: a batch == each sequence alone (the first two), at row C - 1 after the prefill's rows (a fold)

@@ -180,7 +180,10 @@ def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH:
     # each piece's starting state: a sequence's first from its S_run (before the folds may restart S_run), the
     # later ones written by the fold chain
     scratch = torch.empty(n_pieces, *S_run.shape[1:], dtype=torch.float32, device=dev)
-    idx = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+
+    def idx(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=dev)
+
     scratch[idx([first[n] for n in started])] = S_run[idx([slots[n] for n in started])]
     q, k, v, g, beta = (_unit_last(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
     run_folds(k, v, g, beta, plan_t, S_b, buf, S_run, scratch, min(BV, v.shape[2]), NUM_WARPS)

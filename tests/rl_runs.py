@@ -1,11 +1,15 @@
-"""Helpers for tests that run the RL trainer as a process and kill it (``test_rl_resume.py`` and
-``test_rl_agents.py`` on CPU, ``tests/gpu/rl_window_resume.py`` on the GPU)."""
+"""Helpers for tests that run a trainer as a process, in the background or killed (``test_rl_resume.py``,
+``test_rl_agents.py``, ``test_rl_train.py``, ``test_torchtitan_train.py`` on CPU, ``tests/gpu/rl_window_resume.py``
+on the GPU)."""
 
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +46,39 @@ def kill_tree(proc: subprocess.Popen[bytes]) -> int | None:
     gone, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, f"still alive after SIGKILL: {alive}"
     return next(p.returncode for p in gone if p.pid == proc.pid)
+
+
+@dataclass
+class BackgroundRun:
+    """A trainer command started in the background (``start_run``), its output in ``dir / log_name``: tests
+    whose runs are independent start them side by side and wait for each where they read it."""
+
+    dir: Path
+    proc: subprocess.Popen[bytes]
+    started: float
+    timeout_s: float
+    log_name: str = "train.log"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / self.log_name
+
+    def wait(self) -> int:
+        """The exit status; a run past its timeout is killed (its tree) and fails the test with its log's end."""
+        try:
+            return self.proc.wait(max(1.0, self.started + self.timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            raise AssertionError(f"no exit in {self.timeout_s} s:\n{self.log.read_text(errors='replace')[-6000:]}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc)
+
+
+def start_run(cmd: Sequence[str], dir: Path, env: Mapping[str, str], timeout_s: float,
+              log_name: str = "train.log") -> BackgroundRun:
+    """``cmd`` started in ``dir`` with stdout and stderr to ``dir / log_name``."""
+    with (dir / log_name).open("wb") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=dict(env), cwd=dir)
+    return BackgroundRun(dir, proc, time.monotonic(), timeout_s, log_name)

@@ -6,7 +6,7 @@ small fault-injecting HTTP proxy of this module, form one ``GeneratorFleet``. Fa
 | fault                          | expected outcome                                                  |
 |--------------------------------|-------------------------------------------------------------------|
 | a server answers the push 503  | out of the pool; the others serve v; no sample from it            |
-| a server answers slowly (3 s)  | in the pool at v once it answered                                 |
+| a server answers slowly (1 s)  | in the pool at v once it answered                                 |
 | a server killed mid-swap       | out of the pool; its address is restarted later                   |
 | a pooled server restarted      | its first sample is refused (new boot id), it leaves the pool     |
 | the next push                  | every server, restarted ones included, serves it and is back in   |
@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from servers import kill_group, server_env
+from servers import kill_group, one_core, server_env
 from titan_rl_ext.rl.fleet import FleetClient, GeneratorFleet
 from titan_rl_ext.rl.generator_server import GeneratorServer
 from titan_rl_ext.rl.rollout import Generation, GeneratorClient, SamplingConfig
@@ -64,7 +64,7 @@ class Proxy:
 
     upstream_port: int
     fault: str | None = None
-    delay_s: float = 3.0
+    delay_s: float = 1.0  # a push of the tiny model takes a fraction of that: slow, and a short wait
     on_kill: Any = None
     on_freeze: Any = None
     mid_swap: dict[str, Any] = field(default_factory=dict)  # the version route while the swap hung
@@ -168,7 +168,7 @@ class Fleet:
         fresh = {}
         for i in idx:
             kill_group(self.servers[i])
-            fresh[i] = GeneratorServer(self.model_dir, self.log_dir / f"server{i}-restart.log", SERVER_ARGS, _env(),
+            fresh[i] = GeneratorServer(self.model_dir, self.log_dir / f"server{i}-restart.log", SERVER_ARGS, _env(i),
                                        port=self.servers[i].port)
         for i, srv in fresh.items():
             self.servers[i] = srv  # in place before the wait: the fixture's teardown kills whatever is here
@@ -176,8 +176,9 @@ class Fleet:
             srv.wait_ready()
 
 
-def _env() -> dict[str, str]:
-    return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1")
+def _env(i: int) -> dict[str, str]:
+    """Server ``i``'s: the three take turns of the cores (``one_core``)."""
+    return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1", **one_core(i))
 
 
 def _freeze_engine(srv: GeneratorServer) -> None:
@@ -196,7 +197,7 @@ def fl(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
 
     model_dir = tiny_ckpt("qwen3_5", layout="vlm")
     log_dir = tmp_path_factory.mktemp("fleet")
-    servers = [GeneratorServer(model_dir, log_dir / f"server{i}.log", SERVER_ARGS, _env()) for i in range(3)]
+    servers = [GeneratorServer(model_dir, log_dir / f"server{i}.log", SERVER_ARGS, _env(i)) for i in range(3)]
     try:
         model, _ = load_hf_model(model_dir, dtype=torch.float32)  # while the servers boot
         model.eval()
@@ -288,7 +289,7 @@ def test_fleet_push_outcomes_under_faults(fl: Fleet) -> None:
         assert 0.0 <= m[phase] <= m["swap/post_s"], (phase, m)
     gens = _admitted(fl, 8, 100, {a, c})
     assert {g.server for g in gens} == {a, c} and all(v == 2 for g in gens for v in g.versions)
-    matrix += [("503 from b", "b out, still on v1; a, c serve v2"), ("c slow (3 s)", "c serves v2")]
+    matrix += [("503 from b", "b out, still on v1; a, c serve v2"), ("c slow (1 s)", "c serves v2")]
 
     # a killed part-way through a swap (the push read, checked and handed to its engine, which never
     # finishes it): out; b comes back with the push that reaches it

@@ -8,16 +8,14 @@ and stale ones (sampled by older weights, recomputed with those) at every step."
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from rl_runs import kill_tree, records
+from rl_runs import BackgroundRun, records, start_run
+from servers import one_core
 from test_rl_train import _train_env
 
 pytestmark = pytest.mark.slow
@@ -42,38 +40,18 @@ def _cannot_run(recipe: str) -> str | None:
     return None
 
 
-@dataclass
-class RecipeRun:
-    """A 3-step run of one recipe (torchrun, its own spawned server), started in the background."""
-
-    dir: Path
-    proc: subprocess.Popen[bytes]
-    started: float
-
-    @property
-    def log(self) -> Path:
-        return self.dir / "train.log"
-
-    def wait(self) -> int:
-        try:
-            return self.proc.wait(max(1.0, self.started + TIMEOUT_S - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            kill_tree(self.proc)
-            raise AssertionError(f"no exit in {TIMEOUT_S} s:\n{self.log.read_text(errors='replace')[-6000:]}") from None
-
-
-def _start(recipe: str, tmp_path: Path) -> RecipeRun:
+def _start(recipe: str, tmp_path: Path) -> BackgroundRun:
+    """A 3-step run of one recipe (torchrun, its own spawned server, whose engine takes the recipe's turn of the
+    cores: ``one_core``), started in the background."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", recipe,
            "--training.steps", "3", "--rl.run-dir", str(tmp_path / "run"), "--dump-folder", str(tmp_path / "dump")]
-    with (tmp_path / "train.log").open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_train_env(tmp_path, tmp_path / "cache"),
-                                cwd=tmp_path)
-    return RecipeRun(tmp_path, proc, time.monotonic())
+    env = _train_env(tmp_path, tmp_path / "cache", **one_core(RECIPES.index(recipe)))
+    return start_run(cmd, tmp_path, env, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def recipe_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RecipeRun]]:
+def recipe_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BackgroundRun]]:
     """Every collected recipe's run, all started at once: a run's trainer and its generator mostly take turns
     (the trainer waits for rollouts, the server for the next push), so side by side they fill the cores one run
     leaves idle. Each run is a process tree of its own (trainer, server, sandboxes or verifiers' runner, caches
@@ -81,7 +59,7 @@ def recipe_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     are fresh and which stale, and each kind is compared exactly)."""
     wanted = [r for r in RECIPES if any(getattr(item, "callspec", None) is not None and item.module is request.module
                                         and item.callspec.params.get("recipe") == r for item in request.session.items)]
-    runs: dict[str, RecipeRun] = {}
+    runs: dict[str, BackgroundRun] = {}
     try:
         for recipe in wanted:
             if _cannot_run(recipe) is None:
@@ -89,12 +67,11 @@ def recipe_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         yield runs
     finally:
         for run in runs.values():
-            if run.proc.poll() is None:
-                kill_tree(run.proc)
+            run.stop()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_agent_recipe_exact_over_multi_turn_samples(recipe_runs: dict[str, RecipeRun], recipe: str) -> None:
+def test_agent_recipe_exact_over_multi_turn_samples(recipe_runs: dict[str, BackgroundRun], recipe: str) -> None:
     from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION
 
     if why := _cannot_run(recipe):

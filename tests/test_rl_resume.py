@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from rl_runs import drop_timing, kill_tree, records
-from servers import openai_server, server_env
+from servers import one_core, openai_server, server_env
 from titan_rl_ext.rl.rollout import Generation, SamplingConfig, SingleTurnEnv, rollout_group, sample_seed
 from titan_rl_ext.rl.config import RLConfig
 from titan_rl_ext.rl.prompts import PromptCursor, PromptLedger
@@ -200,9 +200,10 @@ def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, m
     a.mkdir()
     b.mkdir()
     srv_env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
-    # two fresh servers, started identically and booting side by side
-    with openai_server(model_dir, a / "server.log", 512, ["--seed", "0"], env=srv_env) as srv_a, \
-            openai_server(model_dir, b / "server.log", 512, ["--seed", "0"], env=srv_env) as srv_b:
+    # two fresh servers, started identically but for the core their engine thread is bound to (one_core: one thread
+    # either way, the same bits), booting side by side
+    with openai_server(model_dir, a / "server.log", 512, ["--seed", "0"], env={**srv_env, **one_core(0)}) as srv_a, \
+            openai_server(model_dir, b / "server.log", 512, ["--seed", "0"], env={**srv_env, **one_core(1)}) as srv_b:
         srv_a.wait_ready()
         srv_b.wait_ready()
         t_boot = time.monotonic()

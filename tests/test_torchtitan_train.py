@@ -6,32 +6,55 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from rl_runs import BackgroundRun, start_run
+
 REPO = Path(__file__).resolve().parents[1]
+RECIPES = ["qwen3_5_debug", "qwen3_5_moe_debug"]
+STEPS = 8
 
 
-def _train(recipe: str, tmp_path: Path, steps: int) -> list[float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_HOME=str(tmp_path / "hf"), TITAN_RL_CACHE=str(tmp_path / "cache"),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "torchtitan.train", "--module", "titan_rl_ext", "--config", recipe, "--training.steps", str(steps)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+@pytest.fixture(scope="module")
+def train_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, BackgroundRun]]:
+    """The collected recipes' runs, started at once: each is one single-threaded process, so side by side they
+    fill the cores one leaves idle; the losses do not depend on timing."""
+    wanted = [r for r in RECIPES if any(item.module is request.module and getattr(item, "callspec", None) is not None
+                                        and item.callspec.params.get("recipe") == r for item in request.session.items)]
+    runs: dict[str, BackgroundRun] = {}
+    try:
+        for recipe in wanted:
+            d = tmp_path_factory.mktemp(recipe)
+            env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                       HF_HOME=str(d / "hf"), TITAN_RL_CACHE=str(d / "cache"),
+                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                   "-m", "torchtitan.train", "--module", "titan_rl_ext", "--config", recipe,
+                   "--training.steps", str(STEPS)]
+            runs[recipe] = start_run(cmd, d, env, 600)
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+def _losses(run: BackgroundRun) -> list[float]:
+    status = run.wait()
+    log = run.log.read_text(errors="replace")
+    assert status == 0, log[-4000:]
     losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([0-9.]+)", log)]
-    assert len(losses) == steps, log[-4000:]
+    assert len(losses) == STEPS, log[-4000:]
     return losses
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["qwen3_5_debug", "qwen3_5_moe_debug"])
-def test_torchtitan_trainer_loss_goes_down(tmp_path: Path, recipe: str) -> None:
-    losses = _train(recipe, tmp_path, steps=8)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_torchtitan_trainer_loss_goes_down(train_runs: dict[str, BackgroundRun], recipe: str) -> None:
+    losses = _losses(train_runs[recipe])
     assert all(torch.isfinite(torch.tensor(losses)))
     # starts near ln(512) = 6.24 (uniform over the tiny vocabulary) and must learn the corpus
     assert 5.5 < losses[0] < 7.0, losses

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from requires import require
-from servers import free_port, kill_group, server_env
+from servers import free_port, kill_group, one_core, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +78,9 @@ class Fleet:
         return [s.base for s in self.servers]
 
 
-def _env() -> dict[str, str]:
-    return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1")
+def _env(i: int) -> dict[str, str]:
+    """Server ``i``'s: the two take turns of the cores (``one_core``)."""
+    return server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1", VLLM_SERVER_DEV_MODE="1", **one_core(i))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def fleet(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
     model_dir = tiny_ckpt("qwen3", layout="text")
     log_dir = tmp_path_factory.mktemp("transfer_fleet")
-    servers = [GeneratorServer(model_dir, log_dir / f"server{i}.log", SERVER_ARGS, _env()) for i in range(2)]
+    servers = [GeneratorServer(model_dir, log_dir / f"server{i}.log", SERVER_ARGS, _env(i)) for i in range(2)]
     f = Fleet(model_dir, log_dir, servers, None, {})
     try:
         model, _ = load_hf_model(model_dir, dtype=torch.float32)  # while the servers boot
@@ -472,7 +473,7 @@ def test_generator_killed_mid_broadcast_then_restarted(fleet: Fleet, monkeypatch
         if len(calls) == 2:
             old = f.servers[1]
             kill_group(old)
-            f.servers[1] = GeneratorServer(f.model_dir, f.log_dir / "server1-restart.log", SERVER_ARGS, _env(),
+            f.servers[1] = GeneratorServer(f.model_dir, f.log_dir / "server1-restart.log", SERVER_ARGS, _env(1),
                                            port=old.port)  # boots while v8 goes out again
         return real_pack(tensors)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the kernel-only checks and timings (no vLLM): the BI attention tests and long-context bench,
 # the BI GEMM's M-bucket sweep. Writes everything under $OUT; each step's log beside its JSON.
-#   bash tests/gpu/run_kernel_call.sh [gdn_grid] [attention] [gemm_table]
+#   bash tests/gpu/run_kernel_call.sh [gdn_grid] [attention] [gemm_tests] [gemm_table]
 set -uo pipefail
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,6 +18,8 @@ for step in $steps; do
     gdn_grid)
       python3 benchmarks/gdn_chunk_grid.py --out "$OUT/gdn_chunk_grid.json" > "$OUT/gdn_chunk_grid.log" 2>&1
       tail -40 "$OUT/gdn_chunk_grid.log" ;;
+    gemm_tests)
+      python3 -m pytest -q -x tests/gpu/test_batch_invariant_cuda.py -k "gemm or matmul" 2>&1 | tail -8 | tee "$OUT/gemm_tests.log" ;;
     gemm_table)
       cp titan_rl_ext/kernels/bi_gemm_tables.json "$OUT/bi_gemm_tables.json"
       python3 tests/gpu/bi_gemm_tiles.py --ms 1,8,16,32,64,96,128,192,256,1024,4096,8192 --reps 8 \

@@ -13,7 +13,7 @@ prefix caching.
 
 Steps with a prefill take that kernel with BI off too, where vLLM's backend is its Triton one
 (``TRITON_ATTN``): at the 9B's heads (16 q / 4 kv of 256) it runs a prefill well above the throughput of
-vLLM's unified Triton kernel (the timings: docs/benchmarks.md, the row "prefill steps on the project's
+vLLM's unified Triton kernel (the timings: docs/gpu_runs.md §16, the row "prefill steps on the project's
 attention kernel"). Decode-only steps keep vLLM's kernel
 (the one the decode graphs capture), reading the keys the prefills wrote: both address the cache through the
 same views (``tests/gpu/test_paged_kv_cuda.py``). ``TITAN_PREFILL_ATTENTION=vllm`` keeps vLLM's kernel for every

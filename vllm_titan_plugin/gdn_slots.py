@@ -124,8 +124,8 @@ class CachedStateRuleKernel(_SlotBound):
         own kernel does, and a BI step must give the trainer's bits. Not where the engine bound a mixed step
         (decodes, then prefills) either: a prefill's tokens run one after another in the kernel, and the fused
         l2norms and gates lengthen that serial chain -- at prefill lengths the separate kernels are faster
-        (``benchmarks/gdn_recurrent.py``, ``titan_prep`` against ``titan_unfused``; the timings: docs/benchmarks.md,
-        "Issue 21 closed out"); such a
+        (``benchmarks/gdn_recurrent.py``, ``titan_prep`` against ``titan_unfused``; the timings: docs/gpu_runs.md
+        §18, "Issue 21 closed out"); such a
         step runs as BI's does, or peeled (``_peels_decodes``), its rule given normed q/k either way."""
         if self._mixed():
             return False

@@ -1,4 +1,4 @@
-"""GPU: the first backward of a fresh process equals the second (docs/benchmarks.md §9).
+"""GPU: the first backward of a fresh process equals the second (docs/gpu_runs.md §9).
 
 The first RL run on the GPU logged a step-1 gradient norm of ~2e7 in both arms and 10-60 from step 2 on, with
 the weights nearly unchanged between them. A first-call effect -- a kernel autotuned over an output it

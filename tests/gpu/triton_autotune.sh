@@ -1,7 +1,7 @@
 # Sourced by the GPU stage scripts: Triton's autotuning results survive from one lease to the next.
 #
 # A fresh lease autotunes every autotuned Triton kernel again -- fla's chunk kernels try dozens of configurations,
-# each compiled -- which is most of the BI arm's first step (docs/benchmarks.md, "The RL loop on the GPU"). The
+# each compiled -- which is most of the BI arm's first step (docs/gpu_runs.md §9, "The RL loop on the GPU"). The
 # whole Triton cache (tens of MB gzipped) is too large to carry or return, but the autotuner's results are small JSON files
 # (`<hash>/<kernel>.autotune.json`, keyed by Triton's version, the GPU and the kernel source: a file that does not
 # match is simply not found). With them, each kernel compiles its chosen configuration only.

@@ -73,7 +73,7 @@ class Launch:
     """How the kernel is launched, apart from what fixes the bits (``CONFIGS``, ``SPLIT``): software
     prefetch of the next key block, pipelining stages (None: the tile table's), per path. A decode tile of
     fewer rows than the table's would waste fewer tensor-core rows at GQA 4, but on the H100 a 16- or 32-row dot
-    is another matrix instruction and rounds some rows differently (docs/benchmarks.md, "Long contexts and full
+    is another matrix instruction and rounds some rows differently (docs/gpu_runs.md §19, "Long contexts and full
     depth"): the tile's shape is part of the definition, not of the launch."""
 
     prefetch: int = 0
@@ -87,7 +87,7 @@ class Launch:
 
 # With key blocks of 64 at head size 256 neither path gains from loading the next block ahead in software (the
 # split-parallel decode lost 5-12 % with it, the prefill 15 %): the table's pipelining stages alone.
-# (The timings: docs/benchmarks.md, "Long contexts and full depth".)
+# (The timings: docs/gpu_runs.md §19, "Long contexts and full depth".)
 LAUNCH = {"tile": Launch(), "split": Launch()}
 # Per-tile launches by padded head size where a taller tile was measured to keep the table's bits and run faster:
 # at 256, 128 rows on 8 warps read each key block for twice the queries (the 32K prefill 1.64x faster on an H100,

@@ -66,7 +66,7 @@ _MM_CONFIGS: dict[torch.dtype, MMConfig] = {
 }
 # Decode-sized M: smaller output tiles, more of them (one 128x128 tile per program leaves most SMs idle when M
 # is 1 and N is 4096). Every configuration ``tests/gpu/bi_gemm_tiles.py`` checks gives the default's bits on
-# every Qwen3.5-9B projection and the LM head (the runs: docs/benchmarks.md, "BI GEMM tiles");
+# every Qwen3.5-9B projection and the LM head (the runs: docs/gpu_runs.md §8b, "BI GEMM tiles");
 # tests/gpu/test_batch_invariant_cuda.py sweeps M across these bounds.
 # (largest M, config), first match wins; larger M takes _MM_CONFIGS.
 _SMALL_M_CONFIGS: dict[torch.dtype, tuple[tuple[int, MMConfig], ...]] = {

@@ -4,7 +4,7 @@ generator's prefill and its decode steps alike, so all three run one per-token c
 Why not FLA's ``fused_recurrent`` (what BI ran before): its step is a chain of two dependent reductions over
 K (``k^T S`` after the decay, then ``S^T q`` after the write), and it issues the next token's loads only
 after the current token's store, so a long sequence pays memory latency on every token (its share of the BI
-trainer step and of a BI prefill: docs/benchmarks.md, "The recurrent GDN kernel").
+trainer step and of a BI prefill: docs/gpu_runs.md §11, "The recurrent GDN kernel").
 
 Here, per value head and block of ``BV`` value columns, one program walks its sequence token by token with
 the state block ``S [K, BV]`` in registers and
@@ -47,7 +47,7 @@ class RecurrentConfig:
 
     # BV 32, one warp: of the layouts timed by ``benchmarks/gdn_recurrent.py``, the fastest on the train batch
     # and a 16x2048 prefill together, and among the fastest at decode B = 1/32/256 (the timings:
-    # docs/benchmarks.md, "The recurrent GDN kernel")
+    # docs/gpu_runs.md §11, "The recurrent GDN kernel")
     BV: int = 32
     num_warps: int = 1
 
@@ -118,7 +118,7 @@ def _gdn_recurrent_kernel(
         dt_bias = tl.load(dtb_ptr + i_hv).to(tl.float32)
 
     # the inputs of the two tokens ahead, loaded before the current one is computed (two: the token chain no
-    # longer waits on memory at the train and prefill sizes, docs/benchmarks.md); indices are clamped into
+    # longer waits on memory at the train and prefill sizes, docs/gpu_runs.md §15); indices are clamped into
     # [0, T) and past a sequence's end onto its last row, so every load is in bounds and a token loaded beyond
     # the end is never used
     nq, nk, nv, ng, nb = _load_token(p_q, p_k, p_v, p_g, p_b, tl.minimum(bos, T - 1), sq_t, sk_t, sv_t, sg_t, sb_t,

@@ -2,7 +2,7 @@
 their rotary embedding), the GDN output's gated RMSNorm, l2norm, SwiGLU's ``silu(gate) * up`` and the attention's
 output gate ``sigmoid(gate) * o``. Each replaces 5-10 torch kernels (casts, pow, mean,
 rsqrt, muls) with one read and one write of the row: in a prefill those torch chains were a large share of
-all kernel time (docs/benchmarks.md, "Where the time went, and the fused layer kernels"). References and dispatch: ``titan_rl_ext.kernels.rows``.
+all kernel time (docs/gpu_runs.md §8b, "Where the time went, and the fused layer kernels"). References and dispatch: ``titan_rl_ext.kernels.rows``.
 
 Batch invariance: a tile is ``ROWS x BLOCK_D`` with ``BLOCK_D`` the whole row (power of two), and
 ``ROWS`` and ``num_warps`` are chosen from D alone, so the reduction of a row is laid out the same way

@@ -1,7 +1,7 @@
 """Where a trainer step's time goes: host and device seconds per phase, without adding a sync.
 
 ``perf/trainer/step_s`` says how long the train step took, not what bounds it (the RL recipe's step takes
-many times its FLOP floor: docs/benchmarks.md, "The three RL arms, the resume and the step at one commit"). Each phase boundary records the host clock and, on CUDA, an event on the current
+many times its FLOP floor: docs/gpu_runs.md §12, "The three RL arms, the resume and the step at one commit"). Each phase boundary records the host clock and, on CUDA, an event on the current
 stream; the events are read once the step is over, after the sync the step's logging makes anyway. Per phase
 ``p``: ``perf/trainer/<p>/host_s`` (the host's time in it: launching, Python, and any sync inside) and
 ``perf/trainer/<p>/device_s`` (the stream's time between the boundary events: the kernels, plus the idle

@@ -6,7 +6,7 @@ recomputes, with a second model, every turn whose generated tokens all carry one
 split are skipped (their context mixes versions) and counted.
 
 Where the weights are kept decides what the metric costs each step (with the versions on the CPU, a push's
-trainer side cost many times the server's swap: docs/benchmarks.md, "The RL loop on the GPU"). On the CPU
+trainer side cost many times the server's swap: docs/gpu_runs.md §9, "The RL loop on the GPU"). On the CPU
 every push copies the model device to host and every recompute copies it back. So with ``device="auto"`` the
 versions stay on the compute device when ``keep`` of them take at most a quarter of its free memory (a
 device-to-device clone per push, no copy per recompute: the second model's parameters are pointed at the kept

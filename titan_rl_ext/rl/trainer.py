@@ -285,7 +285,7 @@ class RLTrainer(Trainer):
         (``rl.loss_chunk_tokens``), under the first step's kernel setting, while a spawned generator boots: on a
         fresh machine the trainer's Triton kernels compile and autotune here instead of after the generator is up
         (on a cold cache they are most of the BI arm's first step, and the generator's boot hid none of it:
-        docs/benchmarks.md, "The RL loop on the GPU"), and a step whose loss chunk does not fit in memory fails
+        docs/gpu_runs.md §9, "The RL loop on the GPU"), and a step whose loss chunk does not fit in memory fails
         before any rollout. One chunk of each shape: the step's samples are all the same length here, so the
         other chunks would compile nothing and peak no higher. No weight changes: the gradients are dropped."""
         from titan_rl_ext.kernels.batch_invariant import batch_invariant

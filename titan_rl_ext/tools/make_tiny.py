@@ -138,8 +138,8 @@ def randomize_(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
 def redraw_padding_rows_(model: torch.nn.Module, seed: int) -> None:
     """HF's initialisation zeroes an embedding's padding row. Packed batches never need it zero, and a zero row
     is singular under the first RMSNorm (its gradient scales as 1/sqrt(eps)): one sampled pad token gave the
-    GPU recipe's first RL step a gradient norm orders of magnitude above the later steps' (docs/benchmarks.md,
-    the step-1 gradient norm explained). Drawn as
+    GPU recipe's first RL step a gradient norm orders of magnitude above the later steps' (docs/gpu_runs.md
+    §9, the step-1 gradient norm explained). Drawn as
     the other rows are, N(0, initializer_range)."""
     std = float(getattr(model.config.get_text_config(), "initializer_range", 0.02))
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -135,6 +135,8 @@ class Engine:
             os.environ["TITAN_PREFILL_ATTENTION"] = "vllm"
         if cfg == "titan_peel":  # every mixed step's decodes peeled (the shipped default: short steps run whole)
             os.environ["TITAN_GDN_MIXED_STEPS"] = "peel"
+        if cfg == "titan_bi_grid":  # BI with the GDN's chunk-grid form (the shipped BI default: recurrent)
+            os.environ["TITAN_GDN_BI_FORM"] = "grid"
         if args.scopes:  # vLLM's record_function scopes (for "anatomy"): read once, at the first scope
             os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         import torch
@@ -171,6 +173,7 @@ class Engine:
             self.info["gdn_recurrent"] = recurrent_kernel()
             self.info["prefill_attention"] = os.environ.get("TITAN_PREFILL_ATTENTION", "titan")
             self.info["gdn_mixed_steps"] = os.environ.get("TITAN_GDN_MIXED_STEPS", "recurrent")
+            self.info["gdn_bi_form"] = os.environ.get("TITAN_GDN_BI_FORM", "recurrent")
         self._warm: set[str] = set()
 
     def _workload(self, cmd: dict[str, Any]) -> tuple[str, list[Any], list[Any]]:

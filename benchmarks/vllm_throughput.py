@@ -22,6 +22,8 @@ Configurations (each engine in its own process, ``vllm_engine_worker.py``):
   (``TITAN_GDN_RECURRENT=titan``), ``titan_fla`` / ``titan_bi_fla`` with FLA's (``fla``); the other titan
   configurations run the kernel the driver's environment names (unset: the shipped default), recorded as
   ``gdn_recurrent`` in each engine's results and in ``serving.json``
+- ``titan_bi_grid`` ``titan_bi`` with the GDN's chunk-grid form (``TITAN_GDN_BI_FORM=grid``: boundary states by the
+  chunk formula, rows by the recurrent kernel; recorded as ``gdn_bi_form``)
 
 Interleaved by default: every engine is started (one after the other, each with ``--gpu-mem`` of the GPU)
 and then the driver times rep 1 of every workload on every engine, then rep 2, ..., rotating the order of
@@ -67,7 +69,7 @@ from typing import Any
 from vllm_engine_worker import rollout_key, rollout_lengths
 
 CONFIGS = ("native_graphs", "native", "titan", "titan_bi", "titan_eager", "titan_bi_eager", "titan_vattn", "titan_peel",
-           "titan_rec", "titan_bi_rec", "titan_fla", "titan_bi_fla")
+           "titan_rec", "titan_bi_rec", "titan_fla", "titan_bi_fla", "titan_bi_grid")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_engine_worker.py")
 
 
@@ -272,6 +274,7 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
                                   ("titan", "titan_eager"), ("titan", "native"), ("titan", "titan_vattn"), ("titan_peel", "titan"), ("titan_peel", "native_graphs"),
                                   ("titan_rec", "titan"),
                                   ("titan_bi_rec", "titan_bi"), ("titan_bi_rec", "titan"),
+                                  ("titan_bi_grid", "titan_bi"), ("titan_bi_grid", "titan"),
                                   ("titan", "titan_fla"), ("titan_bi", "titan_bi_fla")) if a in cfgs and b in cfgs]
     head += "".join(f"{a + '/' + b:>22}" for a, b in ratios)
     lines.append(head)

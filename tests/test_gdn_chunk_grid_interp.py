@@ -27,7 +27,7 @@ import importlib.util
 
 import pytest
 
-from triton_interp import run_checks, run_checks_under_interpreter
+from triton_interp import reversed_program_order, run_checks, run_checks_under_interpreter
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -154,6 +154,16 @@ def _check_cuts_and_decodes() -> None:
     _check_one_sequence(cg.prefill, cg.decode, (1, 2, 16, 16), 140, [[1, 63, 64, 65, 130], [30, 100]], (60, 66))
 
 
+def _check_cuts_in_reversed_program_order() -> None:
+    from titan_rl_ext.kernels import gdn_chunk_grid as cg
+
+    # the launches' programs last to first: a call continuing one open chunk and ending in another must not read
+    # rows that a later program of the same launch writes (a GPU runs them in no set order)
+    with reversed_program_order() as launches:
+        _check_one_sequence(cg.prefill, cg.decode, (1, 2, 16, 16), 140, [[65, 130]], (60, 66))
+    assert launches, "no launch ran in reversed order"
+
+
 def _check_cuts_torch() -> None:
     from titan_rl_ext.kernels import gdn_chunk_grid as cg
 
@@ -205,7 +215,8 @@ def _check_packed_and_decode_batch() -> None:
 
 
 def _main() -> None:
-    run_checks((_check_values, _check_cuts_and_decodes, _check_cuts_torch, _check_packed_and_decode_batch))
+    run_checks((_check_values, _check_cuts_and_decodes, _check_cuts_in_reversed_program_order, _check_cuts_torch,
+                _check_packed_and_decode_batch))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ interpreter test module executes itself as a script (``run_checks`` prints "ALL 
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +36,29 @@ def run_checks(checks: Iterable[Callable[[], None]]) -> None:
         check()
         print(f"{check.__name__}: ok ({time.time() - t0:.2f}s)")
     print("ALL OK")
+
+
+@contextlib.contextmanager
+def reversed_program_order() -> Iterator[list[int]]:
+    """Within the block, the interpreter runs a launch's programs last to first (it runs them first to last, one
+    after the other; a GPU runs them in no set order). A kernel correct only in one order -- a program reading what
+    a later program of the same launch writes -- fails one of the two. Yields a list that counts the launches run
+    reversed (a check that the patch took)."""
+    import triton.runtime.interpreter as interp
+
+    executor_code = interp.GridExecutor.__call__.__code__
+    launches: list[int] = []
+
+    def grid_range(*args: int) -> Iterable[int]:
+        r = builtins.range(*args)
+        if sys._getframe(1).f_code is not executor_code:
+            return r
+        if args == (r.stop,) and r.stop > 1:
+            launches.append(r.stop)
+        return reversed(r)
+
+    interp.range = grid_range  # type: ignore[attr-defined]
+    try:
+        yield launches
+    finally:
+        del interp.range

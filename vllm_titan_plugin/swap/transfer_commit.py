@@ -1,9 +1,9 @@
-"""API-server side of the ``titan_gloo`` (and ``titan_nccl``) weight-transfer engine (``swap.transfer_engine``): vLLM's
-``finish_weight_update(weight_version)`` becomes a titan commit.
+"""API-server side of the staging weight-transfer engines (``titan_gloo``, ``titan_nccl``, ``titan_ipc``:
+``swap.transfer_engine``): vLLM's ``finish_weight_update(weight_version)`` becomes a titan commit.
 
 vLLM's own ``AsyncLLM.finish_weight_update`` tells the workers the update is over and then sets the engine
 core's version string; the weights were already written chunk by chunk, with no pause, no per-token ledger
-and no cache salt. On a titan server whose backend is ``titan_gloo`` the workers have only staged the
+and no cache salt. On a titan server whose backend is one of them the workers have only staged the
 tensors, and the finish goes through ``orchestrator.locked_swap`` instead -- the push lock, the copy between
 two engine steps, the engine's version, the per-token spans and the re-salt, all-or-none -- exactly as an
 HTTP push does. Every other backend keeps vLLM's behaviour.
@@ -38,7 +38,8 @@ from vllm_titan_plugin.swap.validate import PushRejected
 logger = logging.getLogger("vllm.titan_plugin")
 
 BACKEND = "titan_gloo"  # transfer_engine.NAME (not imported: that module imports vLLM's engine classes)
-BACKENDS = (BACKEND, "titan_nccl")  # transfer_engine.TORCH_BACKEND's names: the same engine over gloo or NCCL
+# transfer_engine's staging engines: the same engine over gloo or NCCL, and titan_ipc (vLLM's ipc wire)
+BACKENDS = (BACKEND, "titan_nccl", "titan_ipc")
 COMMIT_METHOD = "titan_commit_transfer"  # transfer_engine.COMMIT_METHOD
 _MARK = "__titan_transfer_commit__"
 _STATE: list[SwapState] = []  # this API server's swap state, once its routes exist
@@ -118,13 +119,13 @@ async def commit(engine_client: Any, state: SwapState, weight_version: Any,
         except Exception as e:  # no session open (a failed update_weights closed it): nothing to close
             logger.info("titan: closing the workers' weight-update session: %s", e)
     logger.info("titan weights v%d committed from a %s transfer in %.3f s (mode=%s%s, %d requests in flight)",
-                version, BACKEND, done.seconds, "keep" if keep_cache else "recompute", ", paused" if pause else "",
-                done.in_flight)
+                version, backend_of(engine_client) or BACKEND, done.seconds, "keep" if keep_cache else "recompute",
+                ", paused" if pause else "", done.in_flight)
     return version
 
 
 def bind(state: SwapState) -> None:
-    """Route ``AsyncLLM.finish_weight_update`` of a ``titan_gloo`` server through ``commit`` (idempotent)."""
+    """Route ``AsyncLLM.finish_weight_update`` of a server on one of ``BACKENDS`` through ``commit`` (idempotent)."""
     _STATE[:] = [state]
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -141,7 +142,7 @@ def bind(state: SwapState) -> None:
         try:
             await commit(self, _STATE[0], weight_version, _FINISH_QUERY.get())
         except PushRejected as e:  # vLLM's route turns this into the answer's status and detail
-            logger.warning("titan %s commit refused (%d): %s", BACKEND, e.status, e.message[:500])
+            logger.warning("titan %s commit refused (%d): %s", backend_of(self), e.status, e.message[:500])
             raise HTTPException(e.status, e.message) from None
 
     setattr(finish_weight_update, _MARK, True)

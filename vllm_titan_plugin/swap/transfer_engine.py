@@ -1,4 +1,6 @@
-"""``titan_gloo``: a vLLM weight-transfer engine (``vllm/distributed/weight_transfer``) for titan servers on CPU.
+"""``titan_gloo``: a vLLM weight-transfer engine (``vllm/distributed/weight_transfer``) for titan servers on CPU
+(``titan_nccl``: the same engine over NCCL on GPU; ``titan_ipc``: vLLM's ``ipc`` wire, CUDA IPC handles per
+tensor from a trainer on the same host, staged and committed the same way).
 
 A trainer that is not ours drives it with vLLM's own calls (``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights`` with HF names, ``/finish_weight_update`` with a
@@ -12,7 +14,7 @@ is never committed, and the old weights keep serving.
 Enabled by the operator, in the server's command line (this module is what both flags name):
 
     --worker-extension-cls vllm_titan_plugin.swap.transfer_engine.TitanTransferExtension
-    --weight-transfer-config '{"backend": "titan_gloo"}'
+    --weight-transfer-config '{"backend": "titan_gloo"}'     # or titan_nccl, titan_ipc
 
 The extension is how the engine reaches vLLM's factory inside the worker process: vLLM imports the extension
 class before it loads the model, and importing this module registers the engine. Imported only inside vLLM
@@ -39,6 +41,7 @@ from vllm_titan_plugin.swap.validate import ST_DTYPE, name_list, push_spec, spec
 logger = logging.getLogger("vllm.titan_plugin")
 
 NAME = "titan_gloo"
+IPC_NAME = "titan_ipc"  # vLLM's ``ipc`` wire (CUDA IPC handles per tensor), staged and committed as titan_gloo's
 NCCL_NAME = "titan_nccl"  # the same engine on GPU: the trainer's group is NCCL, tensors land on the worker's device
 TORCH_BACKEND = {NAME: relay.GLOO, NCCL_NAME: relay.NCCL}
 NAME_FORMATS = ("hf", "titan")
@@ -127,6 +130,15 @@ class TitanGlooUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"packed must be true or false, got {self.packed!r}")
 
 
+def _check_chunk(engine: Any, name: str, names: list[str], name_format: str) -> None:
+    """A chunk joins the engine's staging only with the session's name format and no tensor twice."""
+    if engine.staged_format not in (None, name_format):
+        raise ValueError(f"{name}: one weight update mixes {engine.staged_format!r} and {name_format!r} names")
+    if dup := [n for n in names if n in engine.staged] or [n for i, n in enumerate(names) if n in names[:i]]:
+        raise ValueError(f"{name}: tensors sent twice in one weight update: {name_list(dup)}")
+    engine.staged_format = name_format
+
+
 class TitanGlooWeightTransferEngine(WeightTransferEngine[TitanGlooInitInfo, TitanGlooUpdateInfo]):
     init_info_cls = TitanGlooInitInfo
     update_info_cls = TitanGlooUpdateInfo
@@ -199,13 +211,7 @@ class TitanGlooWeightTransferEngine(WeightTransferEngine[TitanGlooInitInfo, Tita
     def receive_weights(self, update_info: TitanGlooUpdateInfo) -> None:
         if not self.joined:
             raise RuntimeError(f"{NAME}: no trainer group yet; call init_weight_transfer_engine first")
-        if self.staged_format not in (None, update_info.name_format):
-            raise ValueError(f"{NAME}: one weight update mixes {self.staged_format!r} and "
-                             f"{update_info.name_format!r} names")
-        if dup := [n for n in update_info.names if n in self.staged] or \
-                [n for i, n in enumerate(update_info.names) if n in update_info.names[:i]]:
-            raise ValueError(f"{NAME}: tensors sent twice in one weight update: {name_list(dup)}")
-        self.staged_format = update_info.name_format
+        _check_chunk(self, NAME, update_info.names, update_info.name_format)
         dtypes = [_DTYPES[d] for d in update_info.dtype_names]
         if update_info.packed:
             _, total = relay.packed_layout(dtypes, update_info.shapes)
@@ -236,6 +242,137 @@ class TitanGlooWeightTransferEngine(WeightTransferEngine[TitanGlooInitInfo, Tita
                 logger.warning("titan: closing the %s group: %s", NAME, e)
 
 
+@dataclass
+class TitanIpcInitInfo(WeightTransferInitInfo):
+    """vLLM's ``ipc`` init info: nothing to rendezvous. vLLM 0.32's trainer sends ``packed``; only unpacked
+    transfers (one handle per tensor) are taken."""
+
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.packed is not False:
+            raise ValueError(f"{IPC_NAME} takes unpacked transfers only (one handle per tensor): packed must be "
+                             f"false, got {self.packed!r}")
+
+
+@dataclass
+class TitanIpcUpdateInfo(WeightTransferUpdateInfo):
+    """vLLM's ``ipc`` update info (names, dtype names, shapes, one handle per tensor: ``ipc_handles``, a list of
+    ``{gpu_uuid: rebuild_cuda_tensor args}``, or ``ipc_handles_pickled``, its base64 pickle, which like vLLM's
+    engine needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), or our ``ipc_manifest`` (``wire.cuda_ipc``'s JSON,
+    no pickle); ``name_format`` as ``titan_gloo``'s."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    ipc_manifest: dict[str, Any] | None = None
+    ipc_handles: list[dict[str, Any]] | None = None
+    ipc_handles_pickled: str | None = None
+    tensor_sizes: list[int] | None = None
+    packed: bool = False
+    name_format: str = "hf"
+
+    def __post_init__(self) -> None:
+        TitanGlooUpdateInfo.__post_init__(self)  # type: ignore[arg-type]  # the same names/dtypes/shapes checks
+        if self.packed is not False or self.tensor_sizes is not None:
+            raise ValueError(f"{IPC_NAME} takes unpacked transfers only (one handle per tensor)")
+        given = [k for k in ("ipc_manifest", "ipc_handles", "ipc_handles_pickled") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"{IPC_NAME}: give exactly one of ipc_manifest, ipc_handles, ipc_handles_pickled; "
+                             f"got {given or 'none'}")
+        if self.ipc_handles_pickled is not None:
+            import base64
+            import pickle
+
+            from vllm import envs
+
+            if not envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+                raise ValueError("Refusing to deserialize `ipc_handles_pickled` without "
+                                 "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (our trainer sends ipc_manifest instead)")
+            self.ipc_handles = pickle.loads(base64.b64decode(self.ipc_handles_pickled))
+            self.ipc_handles_pickled = None
+        if self.ipc_manifest is not None:
+            from titan_rl_ext.wire.cuda_ipc import manifest_spec
+
+            if not isinstance(self.ipc_manifest, dict):
+                raise ValueError(f"{IPC_NAME}: ipc_manifest must be an object, got {type(self.ipc_manifest).__name__}")
+            spec = manifest_spec(self.ipc_manifest)
+            want = {n: (_DTYPES[d], s) for n, d, s in zip(self.names, self.dtype_names, self.shapes)}
+            # the staging is keyed by ``names``: a manifest opening other tensors, or the same ones with another
+            # dtype or shape, would stage what the update info does not say
+            if bad := sorted(n for n in set(spec) | set(want) if spec.get(n) != want.get(n)):
+                raise ValueError(f"{IPC_NAME}: ipc_manifest does not match names/dtype_names/shapes for: "
+                                 f"{name_list(bad)}")
+        elif not isinstance(self.ipc_handles, list) or len(self.ipc_handles) != len(self.names):
+            raise ValueError(f"{IPC_NAME}: ipc_handles must be a list with one entry per name")
+
+
+class TitanIpcWeightTransferEngine(WeightTransferEngine[TitanIpcInitInfo, TitanIpcUpdateInfo]):
+    """vLLM's ``ipc`` engine's wire, with ``titan_gloo``'s staging: each chunk's tensors are opened and copied
+    into a staging area on the worker's GPU (the trainer may free them once ``update_weights`` answered: vLLM's
+    own IPC trainers do), and only the commit (``titan_commit_transfer``) changes the live weights. Not a
+    subclass of vLLM's ``IPCWeightTransferEngine``: that one loads each chunk into the live model as it arrives
+    (no all-or-none), and vLLM 0.26's module imports ``ray`` at import time."""
+
+    init_info_cls = TitanIpcInitInfo
+    update_info_cls = TitanIpcUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.device = torch.device(device)
+        self.joined = False
+        self.staged: dict[str, torch.Tensor] = {}
+        self.staged_format: str | None = None
+
+    def init_transfer_engine(self, init_info: TitanIpcInitInfo) -> None:
+        self.staged, self.staged_format = {}, None
+        self.joined = True
+
+    def start_weight_update(self) -> None:
+        self.staged, self.staged_format = {}, None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":  # the copies are done before the trainer is told it may free its tensors
+            torch.cuda.synchronize(self.device)
+
+    def _opened(self, update_info: TitanIpcUpdateInfo) -> list[torch.Tensor]:
+        if update_info.ipc_manifest is not None:
+            from titan_rl_ext.wire.cuda_ipc import import_tensors
+
+            views = import_tensors(update_info.ipc_manifest)
+            return [views[n] for n in update_info.names]
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        out = []
+        for name, handle in zip(update_info.names, update_info.ipc_handles or []):
+            if not isinstance(handle, dict) or uuid not in handle:
+                raise ValueError(f"{IPC_NAME}: no IPC handle for this worker's GPU {uuid} in {name!r}")
+            args = list(handle[uuid])
+            args[6] = self.device.index  # reduce_tensor's device index, as the receiver numbers it
+            out.append(rebuild_cuda_tensor(*args))
+        return out
+
+    def receive_weights(self, update_info: TitanIpcUpdateInfo) -> None:
+        if not self.joined:
+            raise RuntimeError(f"{IPC_NAME}: call init_weight_transfer_engine first")
+        _check_chunk(self, IPC_NAME, update_info.names, update_info.name_format)
+        with torch.no_grad():
+            # copies, not the opened views: the trainer frees or rewrites its tensors once this call answers;
+            # staged only once the whole chunk is copied, so a handle that fails to open stages none of it
+            chunk = {name: view.to(self.device, copy=True)
+                     for name, view in zip(update_info.names, self._opened(update_info))}
+        self.staged.update(chunk)
+
+    def finish_weight_update(self) -> None:
+        self.staged, self.staged_format = {}, None
+
+    def shutdown(self) -> None:
+        self.staged, self.staged_format = {}, None
+        self.joined = False
+
+
 def staged_commit(worker: Any) -> int | dict[str, Any]:
     """Inside a worker, between engine steps: the staged HF tensors -> titan names (the served model's
     adapter; our trainer sends titan names already) -> checked whole (names, shapes, dtypes, NaN/Inf) -> copied in place. Answers the tensor count,
@@ -244,9 +381,9 @@ def staged_commit(worker: Any) -> int | dict[str, Any]:
     from vllm_titan_plugin.swap.targets import TitanTarget, target_of
 
     engine = getattr(worker, "weight_transfer_engine", None)
-    if not isinstance(engine, TitanGlooWeightTransferEngine):
-        return {"problems": [f"this server's weight-transfer engine is {type(engine).__name__}, not {NAME}"
-                             f" or {NCCL_NAME}"],
+    if not isinstance(engine, (TitanGlooWeightTransferEngine, TitanIpcWeightTransferEngine)):
+        return {"problems": [f"this server's weight-transfer engine is {type(engine).__name__}, not {NAME},"
+                             f" {NCCL_NAME} or {IPC_NAME}"],
                 "tensors": [], "status": 409}
     staged, engine.staged = engine.staged, {}
     names_are, engine.staged_format = engine.staged_format, None
@@ -293,9 +430,11 @@ class TitanTransferExtension:
 
 def register() -> None:
     """Idempotent (vLLM's factory refuses a second registration of a name)."""
-    for name in TORCH_BACKEND:
+    engines: dict[str, type[WeightTransferEngine[Any, Any]]] = {n: TitanGlooWeightTransferEngine for n in TORCH_BACKEND}
+    engines[IPC_NAME] = TitanIpcWeightTransferEngine
+    for name, cls in engines.items():
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, TitanGlooWeightTransferEngine)
+            WeightTransferEngineFactory.register_engine(name, cls)
 
 
 register()

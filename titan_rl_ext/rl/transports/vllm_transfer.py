@@ -137,11 +137,12 @@ class VllmTransferTransport:
                 raise TypeError(f"{type(self).__name__} needs a link with {need}() (a WeightPusher)")
         self.link: Any = link
         opts = self.check_options(getattr(link, "transport_options", None) or {})
-        self.address: str | None = opts["address"]
-        self.port: int = opts["port"]
+        # a subclass's options may lack the store's keys (``titan_ipc`` has no group): their defaults then
+        self.address: str | None = opts.get("address")
+        self.port: int = opts.get("port", 0)
         self.bucket_bytes: int = opts["bucket_bytes"]
         self.timeout_s: float = opts["timeout_s"]
-        self.backend = ENGINE_BACKENDS[opts["engine_backend"]]
+        self.backend = ENGINE_BACKENDS[opts.get("engine_backend", NAME)]
         self._run = secrets.token_hex(4)  # key prefixes of this trainer's groups on its store
         self._builds = 0
         self._store: Any = None
@@ -190,7 +191,7 @@ class VllmTransferTransport:
         return Staged(b"", hold=self.buckets(state_dict))
 
     def send(self, staged: Staged, url: str, params: Mapping[str, str]) -> PushResult:
-        raise NotImplementedError(f"{NAME} broadcasts to every generator at once: use push_all")
+        raise NotImplementedError(f"{self.name} pushes to every generator at once: use push_all")
 
     def commit(self, staged: Staged) -> None:
         staged.hold = None

@@ -13,6 +13,8 @@
 #   bash tests/gpu/run_vllm_e2e.sh checks_wait # wait for it (at most CHECKS_WAIT_S, default 400 s) and bring its logs to $OUT
 #   bash tests/gpu/run_vllm_e2e.sh graphs_moe  # the same on the 35B-A3B-shaped MoE checkpoint
 #   bash tests/gpu/run_vllm_e2e.sh ipc      # CUDA IPC swap into a running engine + the IPC round-trip test
+#   bash tests/gpu/run_vllm_e2e.sh ipc_engine  # tests/gpu/ipc_engine_swap.py: vLLM's weight-transfer calls with CUDA IPC
+#                                              # handles (titan_ipc) timed beside the cuda_ipc push route, one server
 #   bash tests/gpu/run_vllm_e2e.sh bench    # benchmarks/vllm_throughput.py: native default, titan, titan BI (and titan with
 #                                           # every mixed step peeled: titan_peel), all up at once, timed rep by rep -> serving.json
 #                                           # (BENCH_CONFIGS, BENCH_REPS; BENCH_ROLLOUT=NxLxT, default 1024x256x128, empty: none)
@@ -118,6 +120,12 @@ if [[ $what == ipc || $what == all ]]; then
     TITAN_SWAP_TOKEN=ipc timeout 300 python3 tests/gpu/vllm_ipc_swap.py --model-dir $ck/dense --out "$out/ipc_swap.json" > "$out/ipc_swap.log" 2>&1
     echo "ipc_swap rc=$? $(grep -E '^cuda_ipc swap' "$out/ipc_swap.log")"; tail -1 "$out/ipc_swap.log"
     timeout 200 python3 -m pytest -q tests/gpu/test_cuda_ipc.py 2>&1 | tail -3
+fi
+
+if [[ $what == ipc_engine || $what == all ]]; then
+    TITAN_SWAP_TOKEN=ipc timeout 500 python3 tests/gpu/ipc_engine_swap.py --model-dir $ck/dense --pushes ${IPC_PUSHES:-6} \
+        --out "$out/ipc_engine_swap.json" > "$out/ipc_engine_swap.log" 2>&1
+    echo "ipc_engine_swap rc=$? $(grep -E '^[0-9]+ tensors|^SKIP|^FAILED' "$out/ipc_engine_swap.log")"; tail -1 "$out/ipc_engine_swap.log"
 fi
 
 if [[ $what == graphs || $what == all ]]; then

@@ -17,6 +17,33 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
+from typing import Any
+
+PROMPT_IDS = [5, 17, 99, 3, 250, 42, 7, 8]
+GREEDY_TOKENS = 16
+PERTURB = 1.01  # every floating tensor scaled: greedy output changes on the test checkpoints
+
+
+def trainer_weights(model_dir: str, served: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint on the trainer's GPU in the served dtypes (``served``: the ``titan_weight_spec`` worker
+    method's answer, name -> [safetensors dtype, shape]), and the same with ``PERTURB`` applied: two weight sets
+    whose greedy outputs differ."""
+    import torch
+
+    from titan_rl_ext.models.hf import load_hf_model
+    from vllm_titan_plugin.swap.validate import ST_DTYPE
+
+    by_st = {st: dt for dt, st in ST_DTYPE.items()}
+    model, _ = load_hf_model(model_dir, dtype=torch.bfloat16, device="cuda")
+    sd = model.state_dict()
+    original = {n: sd[n].detach().to(by_st[dt]).contiguous() for n, (dt, _) in served.items()}
+    perturbed = {n: (t * PERTURB if t.is_floating_point() else t).contiguous() for n, t in original.items()}
+    return original, perturbed
+
+
+def nbytes(state: Mapping[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def main() -> int:
@@ -30,21 +57,15 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from titan_rl_ext.models.hf import load_hf_model
     from titan_rl_ext.wire.cuda_ipc import export_tensors
     from titan_rl_ext.wire.weights import checksum
 
     llm = LLM(model=args.model_dir, model_impl="titan", dtype="bfloat16", attention_backend="TRITON_ATTN",
               enforce_eager=True, gpu_memory_utilization=0.35, max_model_len=2048, seed=0)
-    served = llm.collective_rpc("titan_weight_spec")[0]
-    model, _ = load_hf_model(args.model_dir, dtype=torch.bfloat16, device="cuda")
-    sd = model.state_dict()
-    original = {n: sd[n].detach().to(getattr(torch, {"BF16": "bfloat16", "F32": "float32"}[dt])).contiguous()
-                for n, (dt, _) in served.items()}
-    perturbed = {n: (t * 1.01 if t.is_floating_point() else t).contiguous() for n, t in original.items()}
-    nbytes = sum(t.numel() * t.element_size() for t in original.values())
-    prompt = [TokensPrompt(prompt_token_ids=[5, 17, 99, 3, 250, 42, 7, 8])]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+    original, perturbed = trainer_weights(args.model_dir, llm.collective_rpc("titan_weight_spec")[0])
+    size = nbytes(original)
+    prompt = [TokensPrompt(prompt_token_ids=PROMPT_IDS)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, detokenize=False)
 
     def gen() -> list[int]:
         return list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
@@ -61,7 +82,7 @@ def main() -> int:
     def sums() -> dict[str, str]:
         return llm.collective_rpc("titan_weight_checksums")[0]
 
-    out: dict = {"tensors": len(original), "bytes": nbytes}
+    out: dict = {"tensors": len(original), "bytes": size}
     ok = True
     base_tokens = gen()
     assert sums() == checksum(original), "served weights differ from the checkpoint before any swap"
@@ -88,8 +109,8 @@ def main() -> int:
     ok &= out["greedy_changed_with_weights"] and out["greedy_restored"] and out["nan_push_refused"]
     out["ok"] = bool(ok)
     best = min(times)
-    print(f"cuda_ipc swap: {len(original)} tensors, {nbytes / 1e9:.3f} GB, best {best * 1e3:.1f} ms "
-          f"({nbytes / best / 1e9:.1f} GB/s incl. handle opening + finiteness check); all: {[round(t, 4) for t in times]}")
+    print(f"cuda_ipc swap: {len(original)} tensors, {size / 1e9:.3f} GB, best {best * 1e3:.1f} ms "
+          f"({size / best / 1e9:.1f} GB/s incl. handle opening + finiteness check); all: {[round(t, 4) for t in times]}")
     print(json.dumps(out))
     if args.out:
         with open(args.out, "w") as f:

@@ -344,13 +344,15 @@ class TitanIpcWeightTransferEngine(WeightTransferEngine[TitanIpcInitInfo, TitanI
             return [views[n] for n in update_info.names]
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        # vLLM hands the worker "cuda:<n>"; a bare "cuda" is the current device
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
         out = []
         for name, handle in zip(update_info.names, update_info.ipc_handles or []):
             if not isinstance(handle, dict) or uuid not in handle:
                 raise ValueError(f"{IPC_NAME}: no IPC handle for this worker's GPU {uuid} in {name!r}")
             args = list(handle[uuid])
-            args[6] = self.device.index  # reduce_tensor's device index, as the receiver numbers it
+            args[6] = index  # reduce_tensor's device index, as this process numbers the GPU
             out.append(rebuild_cuda_tensor(*args))
         return out
 

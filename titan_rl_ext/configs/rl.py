@@ -575,9 +575,49 @@ def lora_memory_split(shape: Mapping[str, Any], *, rank: int, targets: tuple[str
     return split
 
 
-def lora_9b_checkpoint() -> str:
+LORA_9B_WARMUP_TARGET = 0.2
+# Adam moves a LoRA model's output by roughly lr x hidden size a step: on CPU (docs/training.md, "LoRA RL") hidden 512
+# at 1e-3 and hidden 1024 at 3e-4 reached the target in 10-15 steps; 1e-4 at hidden 4096 is the same regime
+LORA_9B_WARMUP_LR = 1e-4
+# steps before seconds, as LONG_WARMUP_STEPS: a lease builds its own checkpoint, and runs on other leases should start
+# from the same procedure; the seconds bound the GPU time if the steps were ever far slower than expected
+LORA_9B_WARMUP_STEPS = 200
+LORA_9B_WARMUP_SECONDS = 300.0
+
+
+def lora_warmup_memory(shape: Mapping[str, Any], *, rank: int, targets: tuple[str, ...], tokens: int,
+                       overhead_gib: float = 3.0) -> dict[str, float]:
+    """GiB the LoRA warm-up (``rl.lora_warmup``) holds on the GPU for a model of ``shape``: the frozen base in bf16, the
+    adapters in fp32 with their gradients and AdamW's two moments, the activations of ``tokens`` tokens (a batch's;
+    ``long_memory_split``'s per-token estimate for titan's model, doubled: transformers' eager path keeps fp32 norm
+    inputs, and each adapter keeps its fp32 input) and ``overhead_gib``."""
+    n, a = hybrid_param_count(shape), lora_param_count(shape, rank, targets)
+    acts = 2 * long_memory_split(shape, seqs=1, max_model_len=1, chunk_tokens=tokens)["trainer/activations"]
+    split = {"base_bf16": 2 * n / GIB, "adapters_fp32_grads_adam": 16 * a / GIB, "activations": acts,
+             "overhead": overhead_gib}
+    split["total"] = sum(split.values())
+    return split
+
+
+def lora_warmed_checkpoint(init: str | Path, name: str, **warm: Any) -> str:
+    """``cache_dir()/<name>``: the checkpoint ``init`` after ``rl.lora_warmup.lora_warmup(init, out, **warm)`` (LoRA
+    warm-up, adapters merged into the base), built once: a directory holding ``warmup.json`` (written last) is
+    reused as it is."""
+    out = cache_dir() / name
+    if not (out / "warmup.json").exists():
+        from titan_rl_ext.rl.lora_warmup import lora_warmup
+
+        lora_warmup(init, out, **warm)
+    return str(out)
+
+
+def lora_9b_checkpoint(warm: bool = True, verbose: bool = True) -> str:
     """``QWEN3_5_9B_DIR`` when it names a checkpoint (the published model), else ``lora_9b_shape()`` with HF's own
-    initialisation, bf16, built once on the GPU into ``cache_dir()/rl_lora_9b_init`` (~14 GB)."""
+    initialisation, bf16, built once on the GPU into ``cache_dir()/rl_lora_9b_init`` (~14 GB), and (``warm``) its LoRA
+    warm-up on ``synthetic_copy`` (``lora_warmed_checkpoint``: rank-16 adapters on every projection, the base frozen
+    in bf16, up to a 20 % answer rate, ``LORA_9B_WARMUP_STEPS`` steps or ``LORA_9B_WARMUP_SECONDS``, the adapters
+    merged into the base) into ``cache_dir()/rl_lora_9b_copy_20_lora`` (~14 GB, built once). A random base never
+    answers, so RL would have nothing to reinforce; a full-weight warm-up (AdamW: ~110 GiB) does not fit one GPU."""
     import torch
 
     from titan_rl_ext.tools.make_tiny import make_tiny
@@ -585,27 +625,38 @@ def lora_9b_checkpoint() -> str:
     given = os.environ.get("QWEN3_5_9B_DIR", "")
     if given and (Path(given) / "config.json").exists():
         return given
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     d = cache_dir() / "rl_lora_9b_init"
     if not (d / "config.json").exists():
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         make_tiny("qwen3_5", d, seed=0, layout="vlm", dtype=torch.bfloat16, device=device, noise=0.0, **lora_9b_shape())
-    return str(d)
+    if not warm:
+        return str(d)
+    return lora_warmed_checkpoint(
+        d, f"rl_lora_9b_{DEMO_TASK}_{int(LORA_9B_WARMUP_TARGET * 100)}_lora", targets=LORA_HYBRID_TARGETS,
+        kind=DEMO_TASK, target=LORA_9B_WARMUP_TARGET, rank=LORA_9B_RANK, alpha=2.0 * LORA_9B_RANK,
+        lr=LORA_9B_WARMUP_LR,
+        # one step between checks: at this width a step can move the answer rate by ~0.1-0.4 (the CPU curves)
+        eval_every=1, max_steps=LORA_9B_WARMUP_STEPS, max_seconds=LORA_9B_WARMUP_SECONDS, dtype=torch.bfloat16,
+        device=device, verbose=verbose)
 
 
 def rl_lora_9b() -> Any:
-    """One GPU (80 GB class): LoRA RL on Qwen3.5-9B's full-depth shape (``lora_9b_checkpoint``), rank-16 adapters
+    """One GPU (80 GB class): LoRA RL on Qwen3.5-9B's full-depth shape (``lora_9b_checkpoint``: warmed up through
+    merged LoRA adapters to a ~20 % answer rate, so the reward has room and signal to rise), fresh rank-16 adapters
     (alpha 32) on every projection, base frozen in bf16, adapter-only pushes over CUDA IPC, trainer and one spawned
-    vLLM generator side by side, batch invariant on both sides, ``synthetic_copy``, 16 prompts x G=8, off-policy window
-    2 with every version kept (on the host) for the exact stale gap, DAPO, 20 steps. On the random-init checkpoint
-    it checks the path -- step-1 gap 0, stale tokens exact, adapter-only pushes, memory -- not learning (the copy
-    task's reward stays near 0); with ``QWEN3_5_9B_DIR`` the published model learns it.
+    vLLM generator side by side, batch invariant on both sides, ``synthetic_copy``, 16 prompts x G=8, off-policy
+    window 2 with every version kept (on the host) for the exact stale gap, DAPO, 30 steps, lr 2e-4; with
+    ``QWEN3_5_9B_DIR`` the published model instead (no warm-up).
 
     Expected memory (``lora_memory_split``; the 9B shape with the tiny vocabulary: 6.92 B base + 43.3 M adapter
     parameters), 60.8 GiB of an 80 GB card: trainer 34.8 GiB = base bf16 12.9 + stale-gap model 13.0 + adapters with
     gradients and AdamW 0.3 + activations of one 1 K-token loss chunk ~5.6 + overhead 3; generator 26.0 GiB = weights
     12.9 + GDN state of 128 sequences 6.1 + KV 4.0 + overhead 3 (its ``--gpu-memory-utilization`` is set from this);
     host: the stale gap's base once and 3 versions' adapters, 13.1 GiB. With the published checkpoint (248 K vocabulary) add ~3.8 GiB per copy of
-    the weights (trainer, stale-gap model, generator)."""
+    the weights (trainer, stale-gap model, generator). The warm-up (first use only) runs while the recipe is built,
+    before the trainer's model and the generator exist, and frees the GPU when done: ~21 GiB
+    (``lora_warmup_memory``: base bf16 12.9 + fp32 adapters with gradients and AdamW 0.6 + activations of a
+    32 x ~12-token batch ~4.2 + overhead 3; ~28 GiB with 1 K-token batches)."""
     import torch
 
     from titan_rl_ext.rl.losses import loss_config
@@ -632,8 +683,12 @@ def rl_lora_9b() -> Any:
     if torch.cuda.is_available():  # (on a CPU the recipe keeps _gpu_recipe's fp32 server and trainer)
         # bf16 weights, no fp32 master copy: the frozen base never updates, and the adapters' AdamW runs in bf16
         cfg.training.dtype = cfg.training.mixed_precision_param = "bfloat16"
-    cfg.training.steps = 20
-    for group in cfg.optimizer.param_groups:  # LoRA's usual rate (the full-model recipe's 5e-5 barely moves B)
-        group.optimizer_kwargs["lr"] = 1e-4
+    cfg.training.steps = 30
+    # twice LoRA's usual 1e-4: 30 steps must show the reward rise. Adam moves the output by ~lr x hidden a step, so
+    # 2e-4 at hidden 4096 (0.8) is the regime of rl_lora_toy's 1e-2 at hidden 64 (0.6) and of the warm-up's 1e-4
+    # (0.4, a few steps to the answer rate's 20 %), while it stays above half a bf16 step of the adapters' A entries
+    # (|A| <= 1/64: 6e-5), so the bf16 AdamW updates are not rounded away
+    for group in cfg.optimizer.param_groups:
+        group.optimizer_kwargs["lr"] = 2e-4
     cfg.dump_folder = str(cache_dir() / "outputs" / "rl_lora_9b")
     return cfg

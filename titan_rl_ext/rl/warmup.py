@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["answer_prob", "warmup"]
+__all__ = ["answer_batch", "answer_prob", "load_hf", "save_warmed", "warmup"]
 
 
-def _batch(tok: Any, examples: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def answer_batch(tok: Any, examples: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``prompt + " answer"`` ids, the attention mask, and labels only on the answer tokens."""
     rows, labels = [], []
     for ex in examples:
@@ -43,13 +43,36 @@ def _batch(tok: Any, examples: list[Any]) -> tuple[torch.Tensor, torch.Tensor, t
     return ids, mask, lab
 
 
+def load_hf(src: Path, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
+    """The HF model of checkpoint ``src`` (VLM or text layout, by its architecture) in ``dtype`` on ``device``,
+    and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    arch = json.loads((src / "config.json").read_text())["architectures"][0]
+    auto = AutoModelForImageTextToText if "ForConditionalGeneration" in arch else AutoModelForCausalLM
+    return auto.from_pretrained(str(src), dtype=dtype).to(device), AutoTokenizer.from_pretrained(str(src))
+
+
+def save_warmed(model: Any, src: Path, out: Path, info: dict[str, Any]) -> None:
+    """``model`` saved into ``out`` (replacing it) with ``src``'s tokenizer and generation files, and ``info`` as
+    ``out/warmup.json``, written last: its presence marks a complete warm-up for the recipes' caches."""
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(str(out))
+    for f in sorted(src.iterdir()):  # never the source's weights or shard index (the model wrote its own)
+        weights = f.suffix == ".safetensors" or f.name.endswith(".index.json")
+        if f.is_file() and not weights and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    (out / "warmup.json").write_text(json.dumps(info, indent=1))
+
+
 @torch.no_grad()
 def answer_prob(model: Any, tok: Any, examples: list[Any]) -> float:
     """Mean probability of the answer tokens (``" 7"`` is two: the space and the digit) right after
     the prompt: the expected success rate of temperature-1 sampling (a lower bound: other
     completions whose first number is right score too)."""
     model.eval()
-    ids, mask, lab = (t.to(model.device) for t in _batch(tok, examples))
+    ids, mask, lab = (t.to(model.device) for t in answer_batch(tok, examples))
     logp = model(input_ids=ids, attention_mask=mask).logits.float()[:, :-1].log_softmax(-1)
     tgt = lab[:, 1:]
     on = tgt != -100
@@ -62,16 +85,11 @@ def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: floa
            verbose: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Fine-tune the HF checkpoint ``src`` into ``out`` until ``answer_prob`` >= ``target``; returns
     (and writes as ``out/warmup.json``) the steps taken and the held-out success rate before/after."""
-    from transformers import AutoModelForImageTextToText, AutoModelForCausalLM, AutoTokenizer
-
     from titan_rl_ext.rl.rewards import SyntheticTask
 
     src, out = Path(src), Path(out)
     torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(str(src))
-    cfg = json.loads((src / "config.json").read_text())
-    auto = AutoModelForImageTextToText if "ForConditionalGeneration" in cfg["architectures"][0] else AutoModelForCausalLM
-    model = auto.from_pretrained(str(src), dtype=torch.float32).to(device)
+    model, tok = load_hf(src, torch.float32, device)
     if torch.device(device).type == "cuda":
         # transformers' Qwen3.5 calls fla-core's chunk kernel directly: the same Hopper guard as the trainer's
         from titan_rl_ext.kernels.gdn import allow_fla_chunk_backward
@@ -88,7 +106,7 @@ def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: floa
     while p < target and step < max_steps:
         model.train()
         for _ in range(eval_every):
-            ids, mask, lab = (t.to(device) for t in _batch(tok, task.sample(batch_size, seed=seed * 7919 + step)))
+            ids, mask, lab = (t.to(device) for t in answer_batch(tok, task.sample(batch_size, seed=seed * 7919 + step)))
             loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -98,15 +116,9 @@ def warmup(src: str | Path, out: str | Path, *, kind: str = "copy", target: floa
         p = answer_prob(model, tok, held_out)
         if verbose:
             print(f"  warm-up step {step:4d}: loss {float(loss.detach()):.3f}  held-out answer prob {p:.3f}", flush=True)
-    if out.exists():
-        shutil.rmtree(out)
-    model.save_pretrained(str(out))
-    for f in src.iterdir():  # tokenizer, generation config
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",) and not (out / f.name).exists():
-            shutil.copy(f, out / f.name)
     info = {"kind": kind, "steps": step, "answer_prob_before": p0, "answer_prob_after": p, "target": target,
             "seconds": round(time.time() - t0, 1)}
-    (out / "warmup.json").write_text(json.dumps(info, indent=1))
+    save_warmed(model, src, out, info)
     return info
 
 

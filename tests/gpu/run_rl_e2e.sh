@@ -27,6 +27,14 @@
 #                                           # $OUT/long/w<WINDOW>/<arm>_r<RUN> (exit 3: still running, wait again)
 # run_env.json records the GPU, versions, recipe, window, run and commit (TITAN_GIT, TITAN_GIT_TREE, else git) for
 # `python -m titan_rl_ext.tools.rl_arms --windows` (docs/training.md, "Long answers").
+# LoRA RL on the 9B shape, `rl_lora_9b` (issue 44): the checkpoint build (~1 min), its LoRA warm-up (<= 5 min) and
+# 30 steps outlast one command, so all three run detached, in that order, and a command waits for them:
+#   bash tests/gpu/run_rl_e2e.sh lora           # install, start it in /tmp/rl-lora/run, then waits as lora_wait
+#                                           # does (up to LORA_WAIT_S, 480 here: the install came first)
+#   bash tests/gpu/run_rl_e2e.sh lora_wait      # waits up to LORA_WAIT_S (540); when it has ended, its metrics.jsonl,
+#                                           # run_env.json, warmup.json, adapter/adapter_config.json, log tails and
+#                                           # rl_lora.json (python -m titan_rl_ext.tools.rl_lora_report) land in
+#                                           # $OUT/lora (exit 3: still running, wait again)
 # A stage that needs the checkpoint builds it first when this machine has none (a fresh lease).
 set -uo pipefail
 out=${OUT:-/tmp/rl-gpu}
@@ -53,10 +61,11 @@ save_triton_cache() {
     [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }
 }
 trap save_triton_cache EXIT
-what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume | long_*}
+what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume | long_* | lora | lora_wait}
 # which checkpoint a stage needs, and the markers of its (background) build
 case $what in
     long_*) ckpt_fn=long_rl_checkpoint ready=/tmp/rlcache/.long_ready building=/tmp/rlcache/.long_building ;;
+    lora*) ckpt_fn=lora_9b_checkpoint ready=/tmp/rlcache/.lora_ready building=/tmp/rlcache/.lora_building ;;
     *) ckpt_fn=gpu_rl_checkpoint ready=/tmp/rlcache/.ready building=/tmp/rlcache/.building ;;
 esac
 
@@ -96,26 +105,44 @@ arm_flags() {  # the generator arm's trainer flags
         native) echo --rl.server-model-impl auto ;;
     esac
 }
-# the detached long arm started last: wait for it (up to LONG_WAIT_S), then bring its files back in $OUT
-long_wait() {
-    local run t=$(date +%s) seen=""
-    run=$(cat /tmp/rl-long/current 2>/dev/null) || { echo "no long arm was started on this machine"; return 2; }
-    while [ ! -f "$run/rc" ] && [ $(( $(date +%s) - t )) -lt ${LONG_WAIT_S:-540} ]; do
-        local last; last=$(grep "RL step" "$run/train.log" 2>/dev/null | tail -1 | cut -c60-)
+# a detached run (its folder $1, where it writes rc when it ends): wait for it (up to $3 s), then bring its files
+# back into $2
+wait_detached() {
+    local run=$1 back=$2 bound=$3 t=$(date +%s) seen=""
+    while [ ! -f "$run/rc" ] && [ $(( $(date +%s) - t )) -lt $bound ]; do
+        # a LoRA run's warm-up (setup.log) comes before its steps
+        local last; last=$(grep -h -e "RL step" -e "LoRA warm-up step" "$run/setup.log" "$run/train.log" 2>/dev/null \
+            | tail -1 | sed 's/.*\(RL step\|LoRA warm-up step\)/\1/')
         [ -n "$last" ] && [ "$last" != "$seen" ] && { echo "$(( $(date +%s) - t )) s: $last"; seen=$last; }
         sleep 15
     done
-    local back="$out/long/${run#/tmp/rl-long/}"
     mkdir -p "$back"
     cp "$run/metrics.jsonl" "$run/run_env.json" "$back/" 2>/dev/null
     [ -f "$run/rc" ] || { echo "$run still running (step: $seen); wait again"; return 3; }
     local rc; rc=$(cat "$run/rc")
-    echo "$run rc=$rc"; grep "RL step" "$run/train.log" | sed -n '1,2p;$p' | cut -c60-
-    grep -v "^\[rank" "$run/train.log" | tail -200 > "$back/train_tail.log"
+    echo "$run rc=$rc"; grep "RL step" "$run/train.log" 2>/dev/null | sed -n '1,2p;$p' | cut -c60-
+    grep -v "^\[rank" "$run/train.log" 2>/dev/null | tail -200 > "$back/train_tail.log"
     tail -200 "$run/server.log" > "$back/server_tail.log" 2>/dev/null
     python3 -m titan_rl_ext.tools.plot "$run" --out "$back/plots" > /dev/null 2>&1
     [ "$rc" = 0 ] || tail -30 "$back/train_tail.log"
     return "$rc"
+}
+long_wait() {  # the long arm started last
+    local run; run=$(cat /tmp/rl-long/current 2>/dev/null) || { echo "no long arm was started on this machine"; return 2; }
+    wait_detached "$run" "$out/long/${run#/tmp/rl-long/}" ${LONG_WAIT_S:-540}
+}
+# the LoRA run: wait_detached, then what its report is made of, and the report (also of a run that stopped early)
+lora_wait() {
+    local run=/tmp/rl-lora/run back="$out/lora" rc
+    [ -d $run ] || { echo "no LoRA run was started on this machine"; return 2; }
+    wait_detached $run "$back" "$1"; rc=$?
+    cp "$run/warmup.json" "$back/" 2>/dev/null
+    tail -100 "$run/setup.log" > "$back/setup_tail.log" 2>/dev/null
+    [ -f "$run/adapter/adapter_config.json" ] && mkdir -p "$back/adapter" && cp "$run/adapter/adapter_config.json" "$back/adapter/"
+    if [ $rc != 3 ] && [ ! -f "$run/train.log" ]; then echo "the checkpoint or its warm-up failed:"; tail -20 "$run/setup.log"; fi
+    # the adapter's weights stay here (only their header is read): $OUT/lora/rl_lora.json is the record
+    [ $rc != 3 ] && [ -f "$run/metrics.jsonl" ] && python3 -m titan_rl_ext.tools.rl_lora_report "$run" --out "$back/rl_lora.json"
+    return $rc
 }
 
 case $what in
@@ -186,6 +213,61 @@ PY
     ;;
 long_wait)
     long_wait; exit $?
+    ;;
+lora)
+    run=/tmp/rl-lora/run steps=${RL_STEPS:-30}
+    if [ ! -f $run/rc ] && kill -0 "$(cat $run/pid 2>/dev/null)" 2>/dev/null; then
+        echo "a LoRA run is still going in $run: lora_wait"; exit 3
+    fi
+    rm -rf $run /tmp/dump_lora && mkdir -p $run /tmp/rlcache
+    # run_env.json: the GPU, versions, commit and the recipe's settings as the trainer will build them (after the
+    # checkpoint: the recipe reads it); warmup.json: how the start checkpoint was made
+    cat > "$run/run_env.py" <<'PY'
+import json, os, shutil, subprocess, sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+import torch
+from titan_rl_ext.configs.rl import rl_lora_9b
+run, steps = Path(sys.argv[1]), int(sys.argv[2])
+cfg = rl_lora_9b()
+rl, args = cfg.rl, list(cfg.rl.server_args)
+try:
+    vllm_version = version("vllm")
+except PackageNotFoundError:  # vLLM unpacked onto PYTHONPATH, no dist-info
+    import vllm
+    vllm_version = vllm.__version__
+env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm_version, "recipe": "rl_lora_9b",
+       "rl_steps": steps, "model_dir": rl.model_dir, "lora_rank": rl.lora_rank, "lora_alpha": rl.lora_alpha,
+       "lora_targets": list(rl.lora_targets), "lr": cfg.optimizer.param_groups[0].optimizer_kwargs["lr"],
+       "prompts_per_step": rl.prompts_per_step, "group_size": rl.group_size, "max_tokens": rl.max_tokens,
+       "offpolicy": rl.offpolicy, "stale_gap_versions": rl.stale_gap_versions, "weight_transport": rl.weight_transport,
+       "server_args": args}
+if "--gpu-memory-utilization" in args:
+    env["gpu_memory_utilization"] = float(args[args.index("--gpu-memory-utilization") + 1])
+for key, var, rev in (("git", "TITAN_GIT", "HEAD"), ("git_tree", "TITAN_GIT_TREE", "HEAD^{tree}")):
+    found = subprocess.run(["git", "rev-parse", rev], capture_output=True, text=True)
+    value = os.environ.get(var) or (found.stdout.strip() if found.returncode == 0 else "")
+    if value:
+        env[key] = value
+(run / "run_env.json").write_text(json.dumps(env, indent=1))
+if (Path(rl.model_dir) / "warmup.json").is_file():  # the published checkpoint (QWEN3_5_9B_DIR) has none
+    shutil.copy(Path(rl.model_dir) / "warmup.json", run / "warmup.json")
+PY
+    # a build cut short leaves a directory that lora_9b_checkpoint would take as done: without the marker, start over
+    build="[ -f $ready ] || { rm -rf /tmp/rlcache/rl_lora_9b_init /tmp/rlcache/rl_lora_9b_*_lora; python3 -c \
+'from titan_rl_ext.configs.rl import $ckpt_fn; print($ckpt_fn())' > $run/setup.log 2>&1 && touch $ready; }"
+    cmd=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train
+         --module titan_rl_ext.configs --config rl_lora_9b --training.steps "$steps" --rl.run-dir "$run"
+         --dump-folder /tmp/dump_lora --rl.export-adapter-dir "$run/adapter")
+    # setsid: the run outlives this command; each part's failure ends the chain with its exit status in rc
+    setsid nohup bash -c "$build && python3 $run/run_env.py $run $steps >> $run/setup.log 2>&1 \
+&& $(printf '%q ' "${cmd[@]}") > $run/train.log 2>&1; echo \$? > $run/rc" > /dev/null 2>&1 < /dev/null &
+    echo $! > $run/pid
+    echo "started rl_lora_9b ($steps steps) in $run$([ -f $ready ] || echo ', after its checkpoint and warm-up')"
+    lora_wait ${LORA_WAIT_S:-480}; exit $?
+    ;;
+lora_wait)
+    lora_wait ${LORA_WAIT_S:-540}; exit $?
     ;;
 report)
     arms=(); for a in native titan titan_bi; do [ -f "$out/$a/metrics.jsonl" ] && arms+=("$a=$out/$a"); done

@@ -5,7 +5,8 @@ reads it.
 
 Metric names (constants below): the trainer/generator logprob gap ``bit_wise/*`` (0 and 0.0 under
 batch invariance), throughput, reward and length, PPO clip fractions, staleness of the trained
-groups, stale groups dropped, and weight-swap latency. Scalars are logged as numbers; a list value
+groups, stale groups dropped, and weight-swap latency; on a GPU also what it holds per side (``memory/*``, from
+``rl/gpu_memory.py``). Scalars are logged as numbers; a list value
 (``staleness/hist``) is logged as a list in JSONL and as a histogram elsewhere.
 """
 

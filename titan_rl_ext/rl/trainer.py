@@ -512,6 +512,7 @@ class RLTrainer(Trainer):
         from titan_rl_ext.rl.advantages import zero_variance_groups
         from titan_rl_ext.rl import metrics as M
         from titan_rl_ext.rl.generation_timeline import step_timeline
+        from titan_rl_ext.rl.gpu_memory import step_memory_metrics
         from titan_rl_ext.rl.metrics import loss_metrics, rollout_metrics
 
         rl = self.config.rl
@@ -559,6 +560,8 @@ class RLTrainer(Trainer):
         }
         if self.rank == 0:
             metrics.update(step_timeline(ro.spans, t_prev, t_end, [s.num_loss_tokens for s in all_samples]))
+            server = self._link.server if self._link is not None else None
+            metrics.update(step_memory_metrics(self.device, server.proc.pid if server is not None else None))
             metrics.update(self._service.stats())
             if rl.eval_every and (self.step % rl.eval_every == 0 or last):
                 t_eval = time.perf_counter()

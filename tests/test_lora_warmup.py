@@ -56,7 +56,7 @@ def test_lora_warmup_learns_merges_and_is_cached(small_init: Path, tmp_path: Pat
     import titan_rl_ext.rl.lora_warmup as lw
     from peft import PeftModel
 
-    from titan_rl_ext.configs.rl import LORA_HYBRID_TARGETS, lora_warmed_checkpoint
+    from titan_rl_ext.configs.rl_lora import LORA_HYBRID_TARGETS, lora_warmed_checkpoint
     from titan_rl_ext.rl.rewards import SyntheticTask
     from titan_rl_ext.rl.warmup import answer_batch, answer_prob, load_hf
 

@@ -192,7 +192,7 @@ def test_killed_trainer_resumes_bit_equal_to_uninterrupted_run(tmp_path: Path, m
     t0 = time.monotonic()
     cache = tmp_path / "cache"
     monkeypatch.setenv("TITAN_RL_CACHE", str(cache))
-    from titan_rl_ext.configs.rl import tiny_rl_checkpoint
+    from titan_rl_ext.configs.rl_common import tiny_rl_checkpoint
 
     model_dir = Path(tiny_rl_checkpoint())
     env = _train_env(tmp_path, cache)

@@ -77,7 +77,7 @@ def booting(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     cache = tmp_path_factory.mktemp("rl_cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TITAN_RL_CACHE", str(cache))
-        from titan_rl_ext.configs.rl import tiny_rl_checkpoint
+        from titan_rl_ext.configs.rl_common import tiny_rl_checkpoint
 
         model_dir = Path(tiny_rl_checkpoint())
     names = [n for n in SERVED if any(item.module is request.module and item.originalname == n

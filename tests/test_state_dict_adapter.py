@@ -175,7 +175,7 @@ def test_unsupported_architecture_lists_supported(tiny_ckpt, tmp_path: Path) -> 
 
 
 def test_architecture_table_resolves_every_family_and_names_the_known_ones(tmp_path: Path) -> None:
-    from titan_rl_ext.configs.rl import model_spec_from_hf
+    from titan_rl_ext.configs.rl_common import model_spec_from_hf
     from titan_rl_ext.models.architectures import FAMILIES, family_named
     from titan_rl_ext.models.common.state_dict_adapter import HFStateDictAdapter
 

@@ -60,7 +60,7 @@ def test_long_recipe_model_has_the_9b_heads_and_its_memory_split_counts_its_para
     import torch
 
     from titan_rl_ext import configs
-    from titan_rl_ext.configs.rl import GIB, hybrid_param_count, long_memory_split, long_shape
+    from titan_rl_ext.configs.rl_long import GIB, hybrid_param_count, long_memory_split, long_shape
     from titan_rl_ext.tools.make_tiny import SHAPES, build_hf_model
 
     assert callable(configs.rl_gpu_long) and callable(configs.rl_gpu_long_toy)

@@ -54,7 +54,7 @@ def run_rl_demo(steps: int, window: int, margin: float) -> bool:
     import subprocess
 
     from titan_rl_ext.configs import cache_dir
-    from titan_rl_ext.configs.rl import demo_rl_checkpoint
+    from titan_rl_ext.configs.rl_demo import demo_rl_checkpoint
 
     t0 = time.time()
     print("[rl] supervised warm-up of the tiny Qwen3.5 on the copy task (cached after the first run)", flush=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The RL loop on one GPU, three generator arms of one recipe: `rl_gpu_hybrid` (titan_rl_ext/configs/rl.py)
+# The RL loop on one GPU, three generator arms of one recipe: `rl_gpu_hybrid` (titan_rl_ext/configs/rl_gpu.py)
 # with the generator on vLLM's native Qwen3.5 class, on --model-impl titan, and on titan with batch invariance.
 # On the lent GPU machine, after `source .gpu-carry/device_setup_vllm.sh install` (vLLM 0.26 on PYTHONPATH), with fla-core's
 # wheel and the trainer's wheels (`bash scripts/make_trainer_carry.sh`) in .whl/ -- one stage per command:
@@ -64,9 +64,9 @@ trap save_triton_cache EXIT
 what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume | long_* | lora | lora_wait}
 # which checkpoint a stage needs, and the markers of its (background) build
 case $what in
-    long_*) ckpt_fn=long_rl_checkpoint ready=/tmp/rlcache/.long_ready building=/tmp/rlcache/.long_building ;;
-    lora*) ckpt_fn=lora_9b_checkpoint ready=/tmp/rlcache/.lora_ready building=/tmp/rlcache/.lora_building ;;
-    *) ckpt_fn=gpu_rl_checkpoint ready=/tmp/rlcache/.ready building=/tmp/rlcache/.building ;;
+    long_*) ckpt_mod=rl_long ckpt_fn=long_rl_checkpoint ready=/tmp/rlcache/.long_ready building=/tmp/rlcache/.long_building ;;
+    lora*) ckpt_mod=rl_lora ckpt_fn=lora_9b_checkpoint ready=/tmp/rlcache/.lora_ready building=/tmp/rlcache/.lora_building ;;
+    *) ckpt_mod=rl_gpu ckpt_fn=gpu_rl_checkpoint ready=/tmp/rlcache/.ready building=/tmp/rlcache/.building ;;
 esac
 
 install() {
@@ -76,7 +76,7 @@ install() {
     touch /tmp/titan-site/.installed
 }
 checkpoint() {
-    python3 -c "from titan_rl_ext.configs.rl import $ckpt_fn; print($ckpt_fn())" > "$out/setup.log" 2>&1 \
+    python3 -c "from titan_rl_ext.configs.$ckpt_mod import $ckpt_fn; print($ckpt_fn())" > "$out/setup.log" 2>&1 \
         || { tail -20 "$out/setup.log"; return 1; }
     tail -3 "$out/setup.log"
 }
@@ -92,7 +92,7 @@ if [ "$what" = ckpt_bg ] || [ "$what" = long_ckpt_bg ]; then  # before install()
         2>&1 | grep -v "WARNING: Target directory"
     mkdir -p /tmp/rlcache && touch $building
     # setsid: a process in its own session outlives this command while the machine stays up
-    PYTHONPATH=/tmp/ckpt-site setsid nohup bash -c "cd /tmp && python3 -c 'from titan_rl_ext.configs.rl import \
+    PYTHONPATH=/tmp/ckpt-site setsid nohup bash -c "cd /tmp && python3 -c 'from titan_rl_ext.configs.$ckpt_mod import \
 $ckpt_fn; print($ckpt_fn())' > /tmp/rlcache/build.log 2>&1 && touch $ready; rm -f $building" > /dev/null 2>&1 < /dev/null &
     trap - EXIT
     echo "checkpoint build started in the background (log: /tmp/rlcache/build.log)"; exit 0
@@ -190,7 +190,7 @@ import json, os, subprocess, sys
 from importlib.metadata import version
 from pathlib import Path
 import torch
-from titan_rl_ext.configs.rl import long_rl_checkpoint
+from titan_rl_ext.configs.rl_long import long_rl_checkpoint
 path, arm, run, window, steps = sys.argv[1:]
 env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": version("vllm"), "recipe": "rl_gpu_long",
        "arm": arm, "run": int(run), "offpolicy": int(window), "rl_steps": int(steps),
@@ -227,7 +227,7 @@ import json, os, shutil, subprocess, sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 import torch
-from titan_rl_ext.configs.rl import rl_lora_9b
+from titan_rl_ext.configs.rl_lora import rl_lora_9b
 run, steps = Path(sys.argv[1]), int(sys.argv[2])
 cfg = rl_lora_9b()
 rl, args = cfg.rl, list(cfg.rl.server_args)
@@ -255,7 +255,7 @@ if (Path(rl.model_dir) / "warmup.json").is_file():  # the published checkpoint (
 PY
     # a build cut short leaves a directory that lora_9b_checkpoint would take as done: without the marker, start over
     build="[ -f $ready ] || { rm -rf /tmp/rlcache/rl_lora_9b_init /tmp/rlcache/rl_lora_9b_*_lora; python3 -c \
-'from titan_rl_ext.configs.rl import $ckpt_fn; print($ckpt_fn())' > $run/setup.log 2>&1 && touch $ready; }"
+'from titan_rl_ext.configs.$ckpt_mod import $ckpt_fn; print($ckpt_fn())' > $run/setup.log 2>&1 && touch $ready; }"
     cmd=(python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train
          --module titan_rl_ext.configs --config rl_lora_9b --training.steps "$steps" --rl.run-dir "$run"
          --dump-folder /tmp/dump_lora --rl.export-adapter-dir "$run/adapter")

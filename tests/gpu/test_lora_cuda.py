@@ -22,7 +22,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from titan_rl_ext.configs.rl import lora_9b_shape
+    from titan_rl_ext.configs.rl_lora import lora_9b_shape
     from titan_rl_ext.tools.make_tiny import make_tiny
 
     shape = {**lora_9b_shape(), "num_hidden_layers": 4}
@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("rank", [8, 16])
 def test_lora_bi_alone_equals_packed_and_trains_adapters_only(model_dir: str, rank: int) -> None:
-    from titan_rl_ext.configs.rl import LORA_HYBRID_TARGETS
+    from titan_rl_ext.configs.rl_lora import LORA_HYBRID_TARGETS
     from titan_rl_ext.kernels.batch_invariant import batch_invariant
     from titan_rl_ext.models.common.batch import SeqBatch
     from titan_rl_ext.models.common.lora import LoRAConfig, is_lora_param, lora_modules

@@ -4,42 +4,21 @@
 
 (torchtitan resolves ``--module titan_rl_ext`` to ``titan_rl_ext.config_registry``.) Any field can
 be overridden on the command line, e.g. ``--training.steps 20``.
+
+This module holds the pre-training debug recipes; the RL recipes (``RLTrainer.Config``, run with
+``-m titan_rl_ext.train --module titan_rl_ext.configs --config <name>``) live one family a module and are imported
+at the bottom, so torchtitan finds every ``--config`` name here: ``rl_cpu`` (the tiny CPU recipes), ``rl_demo``
+(the README demo), ``rl_gpu`` (one GPU, trainer and generator side by side), ``rl_long`` (long answers), ``rl_lora``
+(LoRA), ``rl_dapo_math`` (Qwen3.5-9B on DAPO-Math), over the shared builders in ``rl_common``. A new recipe is a
+function in its family's module (or a new module) and one import line below.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from titan_rl_ext.configs.tiny_data import TINY_DATASET, register_tiny_dataset, tiny_tokenizer_dir
 from titan_rl_ext.paths import cache_dir
-
-TINY_DATASET = "titan_tiny_corpus"
-
-
-def tiny_tokenizer_dir() -> str:
-    """The offline tiny tokenizer (built once, cached): torchtitan always loads a tokenizer directory."""
-    from titan_rl_ext.tools.tiny_tokenizer import save_tokenizer
-
-    d = cache_dir() / "tiny_tokenizer"
-    if not (d / "tokenizer.json").exists():
-        d.mkdir(parents=True, exist_ok=True)
-        save_tokenizer(d)
-    return str(d)
-
-
-def register_tiny_dataset() -> None:
-    """An in-memory text dataset (no files, no network) in torchtitan's dataset registry."""
-    from datasets import Dataset
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    from titan_rl_ext.tools.tiny_tokenizer import _corpus
-
-    def load(_path: str) -> Dataset:
-        lines = _corpus()
-        docs = [" ".join(lines[i : i + 4]) for i in range(0, len(lines), 4)]
-        return Dataset.from_dict({"text": docs})
-
-    DATASETS[TINY_DATASET] = DatasetConfig(path="<in-memory>", loader=load, sample_processor=lambda s: s["text"])
 
 
 def _debug_trainer(model_spec: Any) -> Any:
@@ -87,7 +66,12 @@ def qwen3_debug() -> Any:
     from titan_rl_ext.models.qwen3 import model_registry
 
     return _debug_trainer(model_registry("qwen3-debug"))
-from titan_rl_ext.configs.rl import (  # noqa: E402,F401
-    qwen3_5_9b_dapo_math, rl_demo_cpu, rl_gpu_hybrid, rl_gpu_hybrid_toy, rl_gpu_long, rl_gpu_long_toy, rl_native_cpu,
-    rl_lora_9b, rl_lora_toy, rl_search_cpu, rl_terminal_cpu, rl_tiny_cpu, rl_verifiers_cpu,
-)
+
+
+# the RL recipes, one family a module (their shared builders in ``rl_common``); each name here is a ``--config``
+from titan_rl_ext.configs.rl_cpu import rl_search_cpu, rl_terminal_cpu, rl_tiny_cpu, rl_verifiers_cpu  # noqa: E402,F401
+from titan_rl_ext.configs.rl_dapo_math import qwen3_5_9b_dapo_math  # noqa: E402,F401
+from titan_rl_ext.configs.rl_demo import rl_demo_cpu  # noqa: E402,F401
+from titan_rl_ext.configs.rl_gpu import rl_gpu_hybrid, rl_gpu_hybrid_toy, rl_native_cpu  # noqa: E402,F401
+from titan_rl_ext.configs.rl_long import rl_gpu_long, rl_gpu_long_toy  # noqa: E402,F401
+from titan_rl_ext.configs.rl_lora import rl_lora_9b, rl_lora_toy  # noqa: E402,F401

@@ -273,7 +273,10 @@ def test_rl_train_two_ranks_data_parallel(tmp_path: Path, served: Served) -> Non
 
 # the recipes that spawn their own generator, and their extra arguments
 SPAWNING = {"test_rl_native_arm_at_toy_size": ("rl_native_cpu", "--training.steps", "2"),
-            "test_rl_gpu_recipe_at_toy_size": ("rl_gpu_hybrid_toy", "--rl.batch-invariant-steps", "1000000")}
+            "test_rl_gpu_recipe_at_toy_size": ("rl_gpu_hybrid_toy", "--rl.batch-invariant-steps", "1000000"),
+            "test_a_spawned_generator_takes_pushes_through_vllms_transfer_calls": (
+                "rl_gpu_hybrid_toy", "--rl.batch-invariant-steps", "1000000", "--training.steps", "2",
+                "--rl.weight-transport", "titan_gloo")}
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +367,21 @@ def test_rl_gpu_recipe_at_toy_size(tmp_path: Path, request: pytest.FixtureReques
     # and where its train step went (host seconds on CPU; no device seconds without CUDA)
     bi_arm = summary["arms"]["titan_bi"]
     assert 0 < bi_arm["fwd_bwd_host_s_median"] <= bi_arm["train_s_median"] and bi_arm["fwd_bwd_device_s_median"] is None
+
+
+def test_a_spawned_generator_takes_pushes_through_vllms_transfer_calls(
+        request: pytest.FixtureRequest, spawning_runs: dict[str, BackgroundRun]) -> None:
+    """``--rl.weight-transport titan_gloo`` with a spawned generator and no engine flags in the recipe: the server
+    is started with the transfer engine, the commit's extension and the dev routes (``transports.server_flags``), so
+    every step's push lands through vLLM's weight-transfer calls -- the BI gap stays exactly 0 on the new weights
+    -- and the server serves the trainer's final weights."""
+    run, _ = _spawning_run(request, spawning_runs)
+    server_log = (run / "server.log").read_text(errors="replace")
+    assert "TitanTransferExtension" in server_log and "titan_gloo" in server_log, server_log[-3000:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2]
+    for r in recs:
+        assert r["fleet/live"] == 1.0 and r["swap/server_bytes"] > 0, r  # the transfer's answer, bytes counted
+        assert r["bit_wise/num_tokens"] == 0 or r["bit_wise/logprob_diff/max"] == 0.0, r
+    final = json.loads((run / "final_checksums.json").read_text())
+    assert final["version"] == recs[-1]["version"] and final["server_matches"] is True

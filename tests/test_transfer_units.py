@@ -259,3 +259,88 @@ def test_finish_query_carries_the_commit_mode(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(PushRejected, match="mode must be one of"):
         asyncio.run(app({**scope, "query_string": b"mode=fast"}, None, None))
     assert swaps == [(9, False, True)] and engine.closed == 2  # refused before the swap, session closed
+
+
+# -- a spawned server's flags -------------------------------------------------------------------------------------
+BASE_ARGS = ["--dtype", "float32", "--max-model-len", "512"]
+
+
+def _spawned(transport: str, args: list[str],
+             options: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
+    from titan_rl_ext.rl.config import RLConfig
+
+    return RLConfig(model_dir="unused", spawn_server=True, weight_transport=transport, server_args=args,
+                    weight_transport_options=json.dumps(options or {})).spawned_server()
+
+
+def test_spawned_server_is_started_with_the_transports_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transport that pushes into a vLLM transfer engine gets a spawned server with that engine (the backend from
+    the transport, ``titan_gloo``'s from its ``engine_backend``), the commit's extension and vLLM's dev routes; the
+    HTTP transports' servers are started as the user wrote them; flags the user gave are kept, not doubled."""
+    from titan_rl_ext.rl.transports import server_flags, vllm_ipc
+
+    monkeypatch.setattr(vllm_ipc, "cuda_problem", lambda: None)  # as on a GPU host
+    ext = [server_flags.EXTENSION_FLAG, server_flags.WORKER_EXTENSION]
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    for transport in ("safetensors", "cuda_ipc"):
+        assert _spawned(transport, BASE_ARGS) == (BASE_ARGS, {})
+    for transport, options, engine in [("titan_ipc", {"bucket_bytes": 1024}, "titan_ipc"),
+                                       ("titan_gloo", {}, "titan_gloo"),
+                                       ("titan_gloo", {"engine_backend": "titan_nccl"}, "titan_nccl"),
+                                       ("titan_gloo_relay", {"engine_backend": "titan_nccl"}, "titan_nccl")]:
+        args, env = _spawned(transport, BASE_ARGS, options)
+        assert args == [*BASE_ARGS, "--weight-transfer-config", json.dumps({"backend": engine}), *ext], transport
+        assert env == dev
+
+    # the user's own flags, in each spelling vLLM's parser takes: kept as given, nothing appended twice
+    for given in ([*BASE_ARGS, "--weight-transfer-config", '{"backend": "titan_ipc"}', *ext],
+                  [*ext, "--weight_transfer_config={\"backend\": \"titan_ipc\"}", *BASE_ARGS],
+                  [*BASE_ARGS, "--weight-transfer-config.backend", "titan_ipc", "--worker-extension-cls=my.Ext"]):
+        assert _spawned("titan_ipc", given) == (given, dev)
+    only_config = [*BASE_ARGS, "--weight-transfer-config", '{"backend": "titan_ipc"}']
+    assert _spawned("titan_ipc", only_config)[0] == [*only_config, *ext]
+
+
+def test_a_server_configured_for_another_engine_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """``rl.server_args`` naming another engine than the transport's stop the trainer in ``__init__`` (before any
+    model is built or server spawned), naming both; a spawned server gets the flags and the environment."""
+    from titan_rl_ext.rl import generator_server
+    from titan_rl_ext.rl.config import RLConfig
+    from titan_rl_ext.rl.generator_link import GeneratorLink
+    from titan_rl_ext.rl.trainer import RLTrainer
+    from titan_rl_ext.rl.transports import vllm_ipc
+
+    monkeypatch.setattr(vllm_ipc, "cuda_problem", lambda: None)
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    class Server:
+        def __init__(self, model_dir: str, log: Path, args: list[str], env: dict[str, str], **kw: Any) -> None:
+            started.append((list(args), dict(env)))
+
+    monkeypatch.setattr(generator_server, "GeneratorServer", Server)
+    for transport, options, args, match in [
+        ("titan_ipc", {}, ["--weight-transfer-config", '{"backend": "titan_gloo"}'],
+         r"backend 'titan_gloo', but --rl.weight_transport titan_ipc pushes into the 'titan_ipc' engine"),
+        ("titan_gloo", {"engine_backend": "titan_nccl"}, ["--weight-transfer-config.backend", "titan_gloo"],
+         r"backend 'titan_gloo', but --rl.weight_transport titan_gloo pushes into the 'titan_nccl' engine"),
+        ("titan_gloo", {}, ["--weight-transfer-config", "{}"], r"backend 'nccl'"),  # vLLM's default backend
+        ("titan_ipc", {}, ["--weight-transfer-config", "{backend: x}"], r"--weight-transfer-config .* is not JSON"),
+        ("titan_ipc", {}, ["--weight-transfer-config"], r"with no value"),
+    ]:
+        rl = RLConfig(model_dir="unused", spawn_server=True, weight_transport=transport, server_args=args,
+                      weight_transport_options=json.dumps(options))
+        with pytest.raises(ValueError, match=match):
+            RLTrainer(RLTrainer.Config(rl=rl))
+    # the HTTP transports leave a user's engine flags alone (the server may serve other trainers with them)
+    assert _spawned("cuda_ipc", ["--weight-transfer-config", '{"backend": "titan_gloo"}'])[1] == {}
+    assert started == []
+
+    monkeypatch.setenv("TITAN_TEST_SWAP_TOKEN", "t")
+    rl = RLConfig(model_dir="m", spawn_server=True, weight_transport="titan_ipc", server_args=BASE_ARGS,
+                  swap_token_env="TITAN_TEST_SWAP_TOKEN")
+    GeneratorLink(rl, tmp_path).spawn(batch_invariant=True)
+    [(args, env)] = started
+    assert args[:4] == BASE_ARGS and args[args.index("--weight-transfer-config") + 1] == '{"backend": "titan_ipc"}'
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["TITAN_SWAP_TOKEN"] == "t" and env["TITAN_BATCH_INVARIANT"] == "1"
+    assert rl.server_args == BASE_ARGS  # the recipe's own list is not changed

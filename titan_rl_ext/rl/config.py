@@ -92,8 +92,10 @@ class RLConfig:
     push_mode: str = "keep"
     weight_transport: str = "safetensors"
     """``safetensors`` (bytes over HTTP: CPU, GPU, across hosts), ``cuda_ipc`` (generators on this host that
-    see the trainer's GPU open CUDA IPC handles and copy device to device), or ``titan_gloo`` /
-    ``titan_gloo_relay`` (a broadcast through vLLM's weight-transfer calls; docs/transfer_engines.md)."""
+    see the trainer's GPU open CUDA IPC handles and copy device to device), ``titan_gloo`` /
+    ``titan_gloo_relay`` (a broadcast through vLLM's weight-transfer calls; docs/transfer_engines.md), or
+    ``titan_ipc`` (CUDA IPC handles through the same calls). The last three push into a transfer engine: a spawned
+    server is started with it (``spawned_server``); running ones must have been."""
     weight_transport_options: str = "{}"
     """JSON object: the transport's own settings, checked at start-up (an unknown key or a bad value stops the run
     there, named). ``titan_gloo``/``titan_gloo_relay``: ``address`` and ``port`` of the trainer's rendezvous store
@@ -187,6 +189,14 @@ class RLConfig:
             return check_transport_options(self.weight_transport, options)
         except ValueError as e:
             raise ValueError(f"rl.weight_transport_options: {e}") from None
+
+    def spawned_server(self) -> tuple[list[str], dict[str, str]]:
+        """The arguments and extra environment of the server this run spawns: ``server_args``, plus what
+        ``weight_transport`` needs of the server (``titan_gloo``/``titan_ipc``: the transfer engine, its worker
+        extension, vLLM's dev routes); ``ValueError`` naming both when ``server_args`` configure another engine."""
+        from titan_rl_ext.rl.transports import spawned_server
+
+        return spawned_server(self.weight_transport, self.transport_options(), self.server_args)
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

@@ -55,10 +55,13 @@ class GeneratorLink:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._spawned_token = settings.named(self.rl.swap_token_env) or secrets.token_hex(16)
+        # what the weight transport needs of the server (a transfer engine's flags; ``RLConfig.spawned_server``)
+        args, transport_env = self.rl.spawned_server()
         # the generator we start is ours: its weights listener (a free loopback port) is asked for here
-        env = {TOKEN_ENV: self._spawned_token, SWAP_PORT_ENV: "0", BI_ENV: "1" if batch_invariant else "0"}
+        env = {**transport_env, TOKEN_ENV: self._spawned_token, SWAP_PORT_ENV: "0",
+               BI_ENV: "1" if batch_invariant else "0"}
         self._bi = batch_invariant
-        self.server = GeneratorServer(self.rl.model_dir, self.run_dir / "server.log", list(self.rl.server_args), env,
+        self.server = GeneratorServer(self.rl.model_dir, self.run_dir / "server.log", args, env,
                                       model_impl=self.rl.server_model_impl)
 
     def connect(self, batch_invariant: bool) -> dict[str, tuple[int, str | None]]:

@@ -150,6 +150,8 @@ class RLTrainer(Trainer):
             raise ValueError(f"rl.loss_chunk_tokens must be >= 0 (0: one pass), got {rl.loss_chunk_tokens}")
         task = task_named(rl.task)  # an unknown name fails here, before any model is built
         rl.transport_options()  # so does an unknown transport or a bad option (not the first push, minutes later)
+        if rl.spawn_server:
+            rl.spawned_server()  # and server arguments that configure another transfer engine than the transport's
         self._lora = lora_run.setup_lora(config)  # a config the kernels cannot serve exactly fails here
         self._lora_base_kept = False  # LoRA: whether a push has gathered the frozen base once (``_push``)
         super().__init__(config)

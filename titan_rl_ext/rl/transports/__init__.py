@@ -10,11 +10,14 @@ A transport with settings of its own (``--rl.weight_transport_options``, ``Weigh
 gives its class a ``check_options(options) -> dict`` that refuses a bad key or value (``ValueError`` naming it)
 and returns them normalised; the trainer calls it at start-up (``check_transport_options``), before any model is
 built, so a typo stops the run there and not at the first push. A transport without one takes no options.
+
+A transport that pushes into one of the plugin's vLLM transfer engines names it: ``server_engine(options) -> str``
+on its class. A server the run spawns is then started with that engine (``spawned_server``, ``server_flags``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from titan_rl_ext.rl.registry import Registry
@@ -48,5 +51,18 @@ def check_transport_options(name: str, options: Mapping[str, Any]) -> dict[str, 
     return {}
 
 
+def spawned_server(name: str, options: Mapping[str, Any], args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The arguments and the extra environment of a server the run spawns for the transport registered as
+    ``name`` (``options``: checked ones; ``args``: the user's ``rl.server_args``): ``args`` unchanged for a
+    transport that needs nothing of the server; for one that pushes into a vLLM transfer engine, its flags added
+    (``server_flags.with_engine``: ``ValueError`` naming both when ``args`` configure another engine)."""
+    from titan_rl_ext.rl.transports import server_flags
+
+    engine: Callable[[Mapping[str, Any]], str] | None = getattr(TRANSPORT_REGISTRY.get(name), "server_engine", None)
+    if engine is None:
+        return list(args), {}
+    return server_flags.with_engine(args, engine(options), name), dict(server_flags.ENGINE_ENV)
+
+
 __all__ = ["TRANSPORT_REGISTRY", "Link", "WeightTransport", "check_transport_options", "make_transport",
-           "register_transport", "transport_names"]
+           "register_transport", "spawned_server", "transport_names"]

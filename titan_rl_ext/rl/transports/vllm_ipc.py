@@ -96,6 +96,10 @@ class TitanIpcTransport(VllmTransferTransport):
             raise ValueError(problem)
         return checked
 
+    @staticmethod
+    def server_engine(opts: Mapping[str, Any]) -> str:
+        return NAME  # the engine is this transport's namesake whatever the options
+
     @property
     def name(self) -> str:
         return NAME

@@ -186,6 +186,12 @@ class VllmTransferTransport:
                 "bucket_bytes": integer("bucket_bytes", DEFAULT_BUCKET_BYTES, 1, None, "an integer >= 1"),
                 "timeout_s": float(timeout), "engine_backend": engine_backend}
 
+    @staticmethod
+    def server_engine(opts: Mapping[str, Any]) -> str:
+        """The servers' ``--weight-transfer-config`` backend this transport pushes into (``opts``: checked ones);
+        a server the run spawns gets it (``transports.spawned_server``)."""
+        return str(opts.get("engine_backend", NAME))
+
     # -- the WeightTransport protocol (``WeightPusher.push_each`` calls ``push_all`` instead) ---------------
     def stage(self, state_dict: Mapping[str, torch.Tensor]) -> Staged:
         return Staged(b"", hold=self.buckets(state_dict))

@@ -92,3 +92,31 @@ def test_one_run_per_arm_keeps_the_flat_summary(tmp_path: Path) -> None:
     assert summary["spread"]["titan_bi"] is None and summary["generation_share"] is None  # no titan arm
     # the run's own record wins over --env; --env fills what the run did not record
     assert summary["env"]["gpu"] == "Fake GPU" and summary["env"]["recipe"] == "given"
+
+
+def test_transport_summary_reads_push_seconds_after_the_first_and_the_exactness_of_every_step() -> None:
+    """``run_rl_e2e.sh ipc_arms``: per transport, push seconds over steps 2.. (step 1's set-up left out), bytes,
+    step 1's gap and whether every step's fresh and stale largest gap was 0; the ratio of the medians."""
+    from titan_rl_ext.tools.rl_arms import transport_summary
+
+    def run(latency: list[float], stale: list[float | None]) -> list[dict[str, Any]]:
+        recs = []
+        for step, (lat, st) in enumerate(zip(latency, stale), start=1):
+            r = {"step": step, M.SWAP_LATENCY_S: lat, "swap/post_s": lat / 2, "swap/pushed_tensor_bytes": 4096.0,
+                 "swap/server_bytes": 4096.0, M.LOGPROB_DIFF_ABS_MEAN: 0.0, M.LOGPROB_DIFF_MAX: 0.0}
+            if st is not None:  # a step without off-policy tokens records no stale gap
+                r[M.STALE_LOGPROB_DIFF_MAX] = st
+            recs.append(r)
+        return recs
+
+    s = transport_summary({"cuda_ipc": run([5.0, 0.2, 0.4, 0.3], [None, 0.0, 0.0, 0.0]),
+                           "titan_ipc": run([9.0, 0.1, 0.1, 0.7], [None, 0.0, 0.25, None])}, {"gpu": "Fake GPU"})
+    today, ipc = s["transports"]["cuda_ipc"], s["transports"]["titan_ipc"]
+    assert today["swap_latency_s_median"] == 0.3 and today["swap_latency_s_max"] == 0.4
+    assert today["swap_latency_s_step1"] == 5.0  # the first push, left out of the median and the max
+    assert (ipc["swap_latency_s_median"], ipc["swap_latency_s_max"]) == (0.1, 0.7)
+    assert ipc["swap_post_s_median"] == 0.05 and ipc["pushed_bytes"] == 4096.0 and ipc["steps"] == 4
+    assert today["step1_gap"] == 0.0 and today["every_gap_max_zero"] and ipc["every_gap_max_zero"]
+    assert today["every_stale_max_zero"] and today["stale_steps"] == 3
+    assert not ipc["every_stale_max_zero"] and ipc["stale_steps"] == 2
+    assert s["ratio_titan_ipc_over_cuda_ipc"] == pytest.approx(0.1 / 0.3) and s["env"] == {"gpu": "Fake GPU"}

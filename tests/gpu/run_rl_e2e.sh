@@ -15,6 +15,14 @@
 #   bash tests/gpu/run_rl_e2e.sh report     # arms.png + rl_gpu.json over the arms found in $OUT (TITAN_GIT names the commit)
 #   bash tests/gpu/run_rl_e2e.sh resume     # the BI window switch and a SIGKILLed trainer's resume, toy size
 #                                           # (tests/gpu/rl_window_resume.py): $OUT/window_resume.json
+#   bash tests/gpu/run_rl_e2e.sh ipc_arms   # install, then smoke's recipe (toy, BI on, 8 steps: RL_STEPS) twice, its
+#                                           # pushes by today's IPC route (--rl.weight-transport cuda_ipc) and through
+#                                           # vLLM's weight-transfer calls (titan_ipc; the spawned server gets the
+#                                           # engine's flags itself), issue 43: metrics.jsonl + log tails in
+#                                           # $OUT/ipc_arms/<transport>, both side by side in $OUT/ipc_arms/summary.json
+#                                           # (push seconds after step 1, bytes, step-1 gap, every stale max 0, env).
+#                                           # IPC_ARMS="titan_ipc" runs one arm; the summary covers every arm this
+#                                           # machine has run (kept in /tmp/rl-ipc-arms), so the two may be split
 # The long-answer recipe `rl_gpu_long` (issue 41: generation dominates the step), the same arms; a 30-step arm
 # outlasts one command, so it runs detached and a command waits for it:
 #   bash tests/gpu/run_rl_e2e.sh long_smoke     # install, then its toy (worked_sum_short), BI on, 3 steps
@@ -61,7 +69,7 @@ save_triton_cache() {
     [ $mb -le 40 ] || { echo "triton cache ${mb} MB: too large to carry, left out"; rm -f "$out/triton-cache.tar.gz"; }
 }
 trap save_triton_cache EXIT
-what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume | long_* | lora | lora_wait}
+what=${1:?stage: smoke | setup | ckpt_bg | titan_bi | titan | native | report | resume | ipc_arms | long_* | lora | lora_wait}
 # which checkpoint a stage needs, and the markers of its (background) build
 case $what in
     long_*) ckpt_mod=rl_long ckpt_fn=long_rl_checkpoint ready=/tmp/rlcache/.long_ready building=/tmp/rlcache/.long_building ;;
@@ -178,6 +186,49 @@ resume)
     echo "resume rc=$rc in $(( $(date +%s) - t )) s"; tail -25 "$out/resume.log"
     # the device returns a handful of files: both runs' logs, metrics and rollouts travel as one archive
     tar -czf "$out/resume_runs.tar.gz" -C "$out" resume_a resume_b && rm -rf "$out/resume_a" "$out/resume_b"
+    exit $rc
+    ;;
+ipc_arms)
+    # each arm's own run (its server spawned with the transport's needs), one at a time: they share the GPU
+    steps=${RL_STEPS:-8} rc=0
+    for tr in ${IPC_ARMS:-cuda_ipc titan_ipc}; do
+        run=/tmp/rl-ipc-arms/$tr back=$out/ipc_arms/$tr
+        rm -rf "$run" "/tmp/dump_ipc_$tr" && mkdir -p "$run" "$back"
+        t=$(date +%s)
+        timeout ${ARM_TIMEOUT:-260} python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m titan_rl_ext.train \
+            --module titan_rl_ext.configs --config rl_gpu_hybrid_toy --training.steps $steps --rl.weight-transport $tr \
+            --rl.run-dir "$run" --dump-folder "/tmp/dump_ipc_$tr" $(arm_flags smoke) > "$run/train.log" 2>&1
+        r=$?; [ $r -eq 0 ] || rc=$r
+        echo "ipc_arms $tr rc=$r in $(( $(date +%s) - t )) s"
+        grep "RL step" "$run/train.log" | sed -n '1,2p;$p' | cut -c60-
+        cp "$run/metrics.jsonl" "$back/" 2>/dev/null
+        grep -v "^\[rank" "$run/train.log" | tail -200 > "$back/train_tail.log"
+        tail -200 "$run/server.log" > "$back/server_tail.log" 2>/dev/null
+        [ $r -eq 0 ] || tail -30 "$back/train_tail.log"
+    done
+    python3 - /tmp/rl-ipc-arms "$out/ipc_arms/summary.json" "$steps" <<'PY'
+import json, os, sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+import torch
+from titan_rl_ext.rl import metrics as M
+from titan_rl_ext.tools.rl_arms import _nan_to_null, report_env, transport_summary
+root, path, steps = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+runs = {d.name: M.read_metrics(d) for d in sorted(root.iterdir()) if (d / M.METRICS_FILE).is_file()}
+try:
+    vllm_version = version("vllm")
+except PackageNotFoundError:  # vLLM unpacked onto PYTHONPATH, no dist-info
+    import vllm
+    vllm_version = vllm.__version__
+given = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "vllm": vllm_version,
+         "recipe": "rl_gpu_hybrid_toy", "batch_invariant": True, "rl_steps": steps}
+given.update({k: os.environ[v] for k, v in (("git", "TITAN_GIT"), ("git_tree", "TITAN_GIT_TREE")) if os.environ.get(v)})
+summary = _nan_to_null(transport_summary(runs, report_env([], given)))
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(summary, indent=1, allow_nan=False))
+print(path)
+print(json.dumps({k: v for k, v in summary.items() if k != "env"}, indent=1))
+PY
     exit $rc
     ;;
 long_titan_bi|long_titan|long_native)

@@ -17,6 +17,9 @@ each recorded, and the JSON is ``{"env": ..., "windows": [{"offpolicy": W, <the 
 values where they do not; ``--env`` fills what the runs did not record, and the commit and tree of this
 checkout fill ``git``/``git_tree`` last (``git_from`` says which). Every figure is read from the runs' own
 metrics; none is typed in.
+
+``transport_summary``: the same recipe run under two weight transports instead (``cuda_ipc`` and ``titan_ipc``,
+``tests/gpu/run_rl_e2e.sh ipc_arms``): each run's push seconds and bytes, and whether BI held exactly.
 """
 
 from __future__ import annotations
@@ -244,6 +247,44 @@ def plot_arms(runs: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def transport_arm(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run of a recipe under one weight transport (``run_rl_e2e.sh ipc_arms``): its push seconds over the
+    steps after the first (the first push carries a transport's set-up: ``titan_ipc``'s engine init), the whole
+    push (``swap/latency_s``: gather, send, commit, keep for the stale gap) and its send-and-commit part
+    (``swap/post_s``); the bytes pushed; and whether BI held exactly: step 1's gap, every step's largest fresh
+    and stale gap (a step without stale tokens records none)."""
+    def later(key: str) -> list[float]:
+        xs, ys = _series(records, key)
+        return [y for x, y in zip(xs, ys) if x > 1]
+
+    latency = later(M.SWAP_LATENCY_S)
+    _, fresh = _series(records, M.LOGPROB_DIFF_MAX)
+    _, stale = _series(records, M.STALE_LOGPROB_DIFF_MAX)
+    first = next((r for r in records if r.get("step") == 1), {})
+    return {
+        "steps": max((int(r["step"]) for r in records), default=0),
+        "swap_latency_s_median": _median(latency),
+        "swap_latency_s_max": max(latency, default=float("nan")),
+        "swap_latency_s_step1": first.get(M.SWAP_LATENCY_S, float("nan")),
+        "swap_post_s_median": _median(later("swap/post_s")),
+        "pushed_bytes": max(_series(records, "swap/pushed_tensor_bytes")[1], default=float("nan")),
+        "server_bytes": max(_series(records, "swap/server_bytes")[1], default=float("nan")),
+        "step1_gap": first.get(M.LOGPROB_DIFF_ABS_MEAN, float("nan")),
+        "every_gap_max_zero": bool(fresh) and all(v == 0 for v in fresh),
+        "stale_steps": len(stale),
+        "every_stale_max_zero": bool(stale) and all(v == 0 for v in stale),
+    }
+
+
+def transport_summary(runs: dict[str, list[dict[str, Any]]], env: dict[str, Any]) -> dict[str, Any]:
+    """``transport_arm`` of each transport's run, and ``titan_ipc``'s median push seconds over ``cuda_ipc``'s."""
+    arms = {name: transport_arm(recs) for name, recs in runs.items()}
+    nan = float("nan")
+    ipc, today = (arms.get(t, {}).get("swap_latency_s_median", nan) for t in ("titan_ipc", "cuda_ipc"))
+    return {"env": env, "transports": arms,
+            "ratio_titan_ipc_over_cuda_ipc": ipc / today if today and not math.isnan(today) else nan}
 
 
 def _read_run_env(run_dir: Path) -> dict[str, Any]:

@@ -118,7 +118,7 @@ def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], ch
     part = cg.new_state(1, *heads[1:], chunk, dev, s0)
     cg.prefill(*(t[:T - 1] for t in qkvgb), [0, T - 1], scale, *part)
     o_last = cg.decode(*(t[T - 1:] for t in qkvgb), scale, *part, torch.tensor([T - 1], device=dev))
-    bits = torch.equal(o_last[0], o_w[T - 1]) and all(_same_state(part, whole, T % chunk).values())
+    bits = _same_bits(o_last[0], o_w[T - 1]) and all(_same_state(part, whole, T % chunk).values())
     o_r, fin_r = gated_delta_rule_recurrent(*qkvgb, cu_t, scale, s0)
     row: dict[str, Any] = {
         "case": f"prefill 1x{T}", "T": T, "decode_continues_prefill_bits": bool(bits),
@@ -177,7 +177,7 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
         one = _clone(st, slice(n, n + 1))
         o_1 = cg.decode(*(t[n:n + 1] for t in qkvgb), scale, *one, pos[n:n + 1])
         same = _same_state(_clone(batch, slice(n, n + 1)), one, 0)
-        ok = ok and torch.equal(o_b[n:n + 1], o_1) and all(same.values())
+        ok = ok and _same_bits(o_b[n:n + 1], o_1) and all(same.values())
     row["batch_equals_alone_bits"] = bool(ok)
     cache = st[0].clone()
     slots = torch.arange(B, dtype=torch.int32, device=dev)
@@ -195,7 +195,7 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
             graph, err, bits = _decode_graph(qkvgb, scale, st, p_i)
             row[f"graph_{name}_equals_eager_bits"] = bits
             if graph is not None:
-                variants[f"grid_graph_{name}"] = graph.replay
+                variants[f"grid_graph_{name}"] = graph
             else:
                 row[f"graph_{name}_error"] = err
     row.update(_time(timer, variants, args))
@@ -205,7 +205,7 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
 def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, st: cg.GridState,
                   pos: torch.Tensor) -> tuple[Any, str, bool]:
     """A decode step captured in a CUDA graph (the plan made on the device: nothing to sync) and its replay's bits
-    against the eager step from the same state: ``(graph, "", equal)``, or ``(None, error, False)``."""
+    against the eager step from the same state: ``(replay, "", equal)``, or ``(None, error, False)``."""
     try:
         eager = _clone(st)
         o_e = cg.decode(*qkvgb, scale, *eager, pos)
@@ -223,9 +223,11 @@ def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, st: cg.GridStat
         graph.replay()
         torch.cuda.synchronize()
         same = _same_state(own, eager, int(pos[0].item()) % own[2].shape[2] + 1)
-        if not (torch.equal(o_g, o_e) and all(same.values())):
-            print(f"graph bits differ: outputs {torch.equal(o_g, o_e)}, {same}")
-        return graph, "", bool(torch.equal(o_g, o_e) and all(same.values()))
+        if not (_same_bits(o_g, o_e) and all(same.values())):
+            print(f"graph bits differ: outputs {_same_bits(o_g, o_e)}, {same}")
+        # the captured launches address ``own`` and ``o_g``: the replay closure keeps them alive (freed, a replay
+        # would write into memory the allocator has handed out again)
+        return (lambda: (graph.replay(), own, o_g)[0]), "", bool(_same_bits(o_g, o_e) and all(same.values()))
     except Exception as e:  # a failed capture is a result to report, not a crash
         return None, f"{type(e).__name__}: {e}"[:300], False
 
@@ -238,8 +240,26 @@ def _clone(st: cg.GridState, sl: slice = slice(None)) -> cg.GridState:
 def _same_state(a: cg.GridState, b: cg.GridState, n_open: int) -> dict[str, bool]:
     """Running state, boundary state and the open chunk's ``n_open`` rows bit for bit (rows as integers: an fp32
     g's low half may read as a bf16 NaN), by part."""
-    return {"running_state": torch.equal(a[0], b[0]), "boundary_state": torch.equal(a[1], b[1]),
-            "open_rows": torch.equal(a[2][:, :, :n_open].view(torch.int16), b[2][:, :, :n_open].view(torch.int16))}
+    return {"running_state": _same_bits(a[0], b[0]), "boundary_state": _same_bits(a[1], b[1]),
+            "open_rows": _same_bits(a[2][:, :, :n_open], b[2][:, :, :n_open])}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality as integers: ``torch.equal`` on floats reads a NaN as differing from itself (a deterministic
+    NaN would pass as a race), and a non-finite value is reported apart."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ia, ib = (x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32) for x in (a, b))
+    same = torch.equal(ia, ib)
+    bad = int((~torch.isfinite(a.float())).sum()) + int((~torch.isfinite(b.float())).sum())
+    if bad:
+        print(f"  non-finite values in a compared tensor: {bad} (bits {'equal' if same else 'differ'})")
+    if not same:
+        fin = torch.isfinite(a.float()) & torch.isfinite(b.float())
+        d = (a.float() - b.float()).abs()[fin]
+        print(f"  {int((ia != ib).sum())} of {ia.numel()} elements differ, max |diff| over finite pairs "
+              f"{float(d.max()) if d.numel() else float('nan'):.3g}")
+    return same
 
 
 def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> dict[str, bool]:
@@ -254,7 +274,7 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     o_w, fin_w = cg.prefill(*qkvgb, [0, T], scale, *whole)
 
     def same(name: str, st: cg.GridState, o: torch.Tensor, fin: torch.Tensor) -> bool:
-        parts_ok = {"outputs": torch.equal(o, o_w), "final_state": torch.equal(fin, fin_w),
+        parts_ok = {"outputs": _same_bits(o, o_w), "final_state": _same_bits(fin, fin_w),
                     **_same_state(st, whole, T % chunk)}
         if not all(parts_ok.values()):  # which part, and from which token on the outputs differ
             bad = (o != o_w).flatten(1).any(1).nonzero()
@@ -289,7 +309,7 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     for n, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
         one = cg.new_state(1, *heads[1:], chunk, dev)
         o_1, fin_1 = cg.prefill(*(t[lo:hi] for t in qkvgb), [0, hi - lo], scale, *one)
-        parts_ok = {"outputs": torch.equal(o[lo:hi], o_1), "final_state": torch.equal(fin[n:n + 1], fin_1),
+        parts_ok = {"outputs": _same_bits(o[lo:hi], o_1), "final_state": _same_bits(fin[n:n + 1], fin_1),
                     **_same_state(_clone(st, slice(n, n + 1)), one, lens[n] % chunk)}
         if not all(parts_ok.values()):
             print(f"bits differ (packed_equals_alone, length {lens[n]}): {parts_ok}")
@@ -304,7 +324,7 @@ def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> di
     for n in range(len(lens)):
         one = _clone(st, slice(n, n + 1))
         o_1 = cg.decode(*(t[n:n + 1] for t in qkvgb), scale, *one, pos[n:n + 1])
-        parts_ok = {"outputs": torch.equal(o_b[n:n + 1], o_1),
+        parts_ok = {"outputs": _same_bits(o_b[n:n + 1], o_1),
                     **_same_state(_clone(batch, slice(n, n + 1)), one, (lens[n] + 1) % chunk)}
         if not all(parts_ok.values()):
             print(f"bits differ (decode_batch_equals_alone, position {lens[n]}): {parts_ok}")

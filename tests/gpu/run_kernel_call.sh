@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the kernel-only checks and timings (no vLLM): the BI attention tests and long-context bench,
 # the BI GEMM's M-bucket sweep. Writes everything under $OUT; each step's log beside its JSON.
-#   bash tests/gpu/run_kernel_call.sh [gdn_grid] [attention] [gemm_tests] [gemm_table]
+#   bash tests/gpu/run_kernel_call.sh [gdn_diag] [gdn_grid] [attention] [gemm_tests] [gemm_table]
 set -uo pipefail
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,6 +15,9 @@ for step in $steps; do
       python3 -m pytest -q -x tests/gpu/test_bi_kernels_cuda.py -k attention tests/gpu/test_paged_kv_cuda.py 2>&1 | tail -15 | tee "$OUT/attention_tests.log"
       python3 benchmarks/bi_attention_long.py --decode "8192:1,8;32768:1,8,32" --prefill 32768,65536 --reps 6 \
         --out "$OUT/bi_attention_long.json" 2>&1 | tail -40 ;;
+    gdn_diag)  # each fold kernel repeated alone: where the grid's bits go (tests/gpu/gdn_grid_diag.py)
+      python3 tests/gpu/gdn_grid_diag.py --out "$OUT/gdn_grid_diag.json" > "$OUT/gdn_grid_diag.log" 2>&1
+      tail -60 "$OUT/gdn_grid_diag.log" ;;
     gdn_grid)
       python3 benchmarks/gdn_chunk_grid.py --out "$OUT/gdn_chunk_grid.json" > "$OUT/gdn_chunk_grid.log" 2>&1
       tail -40 "$OUT/gdn_chunk_grid.log" ;;

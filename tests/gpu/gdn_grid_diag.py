@@ -1,0 +1,181 @@
+"""Where the chunk grid's folds lose their bits on a GPU (docs/gpu_runs.md §22): each fold kernel launched alone,
+repeatedly, on one 64-token chunk at the 9B's GDN heads, its outputs compared launch against launch as integers
+(NaN-aware: ``torch.equal`` on floats reads NaN as differing) and against the plain-PyTorch fold to a tolerance.
+
+What it separates:
+- ``intra`` repeated on the same inputs into fresh NaN-filled scratch: a launch that disagrees with itself is a race
+  or an uninitialised read inside ``_intra_kernel`` (its global scratch round trip), per output (``a`` holds T
+  after the solve, ``w``, ``u``, ``kg``, ``gl``); ``intra_num_warps_4`` the same at another warp count;
+- ``chain`` repeated from one intra's scratch and one boundary state: the fold chain alone;
+- ``prefill``/``decode_fold`` repeated from fresh states: the whole call;
+- the values against the plain-PyTorch fold (``_fold_torch``'s ``T``, ``W``, ``U``, ``S_b``): garbage (a race
+  reading stale rows) or a last-bit drift (a compiler's schedule);
+- non-finite counts everywhere.
+
+    python tests/gpu/gdn_grid_diag.py --out $OUT/gdn_grid_diag.json     (CUDA; ~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from titan_rl_ext.kernels import gdn_chunk_grid as cg
+from titan_rl_ext.kernels import gdn_chunk_grid_triton as kt
+
+H, HV, K, V = 16, 32, 128, 128
+C = cg.CHUNK
+REPEATS = 6
+
+
+def _ints(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def _cmp(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """Bits as integers (NaN-aware), differing elements, non-finite counts, max |a - b| over finite pairs."""
+    same = _ints(a) == _ints(b)
+    fin = torch.isfinite(a.float()) & torch.isfinite(b.float())
+    d = (a.float() - b.float()).abs()[fin]
+    return {"equal_bits": bool(same.all()), "differing": int((~same).sum()),
+            "nonfinite": [int((~torch.isfinite(a.float())).sum()), int((~torch.isfinite(b.float())).sum())],
+            "max_abs": float(d.max()) if d.numel() else None}
+
+
+def _repeat(fn: Any, names: list[str]) -> dict[str, Any]:
+    """``fn()`` REPEATS times; each output against the first launch's."""
+    first = fn()
+    out: dict[str, Any] = {n: {"all_equal": True, "worst": None} for n in names}
+    for _ in range(REPEATS - 1):
+        got = fn()
+        for n in names:
+            c = _cmp(got[n], first[n])
+            if not c["equal_bits"]:
+                out[n]["all_equal"] = False
+                if out[n]["worst"] is None or c["differing"] > out[n]["worst"]["differing"]:
+                    out[n]["worst"] = c
+    for n in names:
+        out[n]["nonfinite_first"] = int((~torch.isfinite(first[n].float())).sum())
+    return out
+
+
+def _nan(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=dev)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gdn_grid_diag.json")
+    args = ap.parse_args()
+    import os
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        print("needs CUDA (or TRITON_INTERPRET=1: the script's own check on CPU)")
+        return 2
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = dev.type == "cuda"
+    opts = {"enable_fp_fusion": True} if cuda else {}
+
+    def sync() -> None:
+        if cuda:
+            sync()
+    gen = torch.Generator(device=dev).manual_seed(5)
+    k = F.normalize(torch.randn(C, H, K, device=dev, generator=gen), dim=-1).bfloat16()
+    q = F.normalize(torch.randn(C, H, K, device=dev, generator=gen), dim=-1).bfloat16()
+    v = torch.randn(C, HV, V, device=dev, generator=gen).bfloat16()
+    g = -torch.rand(C, HV, device=dev, generator=gen) * 0.1
+    beta = torch.rand(C, HV, device=dev, generator=gen).bfloat16()
+    s0 = torch.randn(1, HV, K, V, device=dev, generator=gen) * 0.1
+    R = cg.row_layout(K, V)["R"]
+    plan = {key: torch.tensor(val, dtype=torch.int32, device=dev)
+            for key, val in cg.chunk_plan([0, C], [0], C).items()}
+    plan["slot"] = torch.zeros(1, dtype=torch.int32, device=dev)
+    plan["seq_slot"] = plan["slot"]
+    buf = torch.zeros(1, HV, C, R, dtype=torch.bfloat16, device=dev)
+    strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), buf.stride(0))
+    report: dict[str, Any] = {"heads": [H, HV, K, V], "chunk": C, "repeats": REPEATS,
+                              "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "torch": torch.__version__}
+    import triton
+    report["triton"] = triton.__version__
+
+    def intra(num_warps: int) -> dict[str, torch.Tensor]:
+        s = {"w": _nan((1, HV, C, K), torch.bfloat16, dev), "u": _nan((1, HV, C, V), torch.bfloat16, dev),
+             "kg": _nan((1, HV, C, K), torch.bfloat16, dev), "gl": _nan((1, HV), torch.float32, dev),
+             "a": _nan((1, HV, C, C), torch.float32, dev)}
+        kt._intra_kernel[(1, HV)](
+            k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], buf, buf.view(torch.float32),
+            s["w"], s["u"], s["kg"], s["gl"], s["a"], *strides,
+            H=H, HV=HV, K=K, V=V, C=C, R=R, UPCAST=not cuda, num_warps=num_warps, **opts)
+        sync()
+        s["T"] = torch.tril(s["a"])  # the solve's output: T on and below the diagonal (above: A's zeros)
+        return s
+
+    names = ["w", "u", "kg", "gl", "T"]
+    for nw in (cg.NUM_WARPS["intra"], 4):
+        try:
+            report[f"intra_num_warps_{nw}"] = _repeat(lambda nw=nw: intra(nw), names)
+        except Exception as e:  # a failing variant is a result
+            report[f"intra_num_warps_{nw}"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    sc = intra(cg.NUM_WARPS["intra"])
+
+    # the same chunk by the plain-PyTorch fold: T, W, U (and the fold) to a tolerance
+    rows = torch.zeros(HV, C, R, dtype=torch.bfloat16)
+    cg._save_rows_torch(rows, 0, k.cpu(), v.cpu(), g.cpu(), beta.cpu())
+    kr = rows[..., :K].float()
+    gr, br = cg._f32_cols(rows, K + V), cg._f32_cols(rows, K + V + 2)
+    G = torch.cumsum(gr, 1)
+    idx = torch.arange(C)
+    A = torch.where(idx[:, None] > idx[None, :], br[:, :, None] * torch.exp(G[:, :, None] - G[:, None, :])
+                    * (kr @ kr.transpose(1, 2)), 0.0)
+    eye = torch.eye(C, dtype=torch.float64)
+    T_ref = torch.linalg.solve_triangular(eye + A.double(), eye.expand(HV, C, C), upper=False).float()
+    report["T_vs_torch"] = _cmp(sc["T"][0].cpu(), T_ref)
+    W_ref = cg._mm(T_ref.bfloat16().float() * (idx[:, None] >= idx[None, :]),
+                   (kr * (br * torch.exp(G))[..., None]).bfloat16())
+    report["W_vs_torch"] = _cmp(sc["w"][0].float().cpu(), W_ref)
+    S_ref = cg._fold_torch(rows, s0[0].cpu())
+
+    def chain() -> dict[str, torch.Tensor]:
+        S_b, S_run = s0.clone(), _nan((1, HV, K, V), torch.float32, dev)
+        kt._chain_kernel[(1, HV, V // cg.BV)](
+            plan["r1"], plan["first"], plan["seq_slot"], sc["w"], sc["u"], sc["kg"], sc["gl"], S_b, S_run, S_b,
+            S_b.stride(0), S_run.stride(0), HV=HV, K=K, V=V, BV=cg.BV, C=C, UPCAST=not cuda,
+            num_warps=cg.NUM_WARPS["chain"], **opts)
+        sync()
+        return {"S_b": S_b, "S_run": S_run}
+
+    report["chain"] = _repeat(chain, ["S_b", "S_run"])
+    report["fold_vs_torch"] = _cmp(chain()["S_b"][0].cpu(), S_ref)
+
+    def prefill() -> dict[str, torch.Tensor]:
+        st = cg.new_state(1, HV, K, V, C, dev, s0)
+        o, fin = cg.prefill(q, k, v, g, beta, [0, C], K ** -0.5, *st)
+        sync()
+        return {"o": o, "final": fin, "S_b": st[1]}
+
+    report["prefill"] = _repeat(prefill, ["o", "final", "S_b"])
+    st63 = cg.new_state(1, HV, K, V, C, dev, s0)
+    cg.prefill(q[:C - 1], k[:C - 1], v[:C - 1], g[:C - 1], beta[:C - 1], [0, C - 1], K ** -0.5, *st63)
+
+    def decode_fold() -> dict[str, torch.Tensor]:
+        st = tuple(t.clone() for t in st63)
+        o = cg.decode(q[C - 1:], k[C - 1:], v[C - 1:], g[C - 1:], beta[C - 1:], K ** -0.5, *st,
+                      torch.tensor([C - 1], device=dev))
+        sync()
+        return {"o": o, "S_run": st[0], "S_b": st[1]}
+
+    report["decode_fold"] = _repeat(decode_fold, ["o", "S_run", "S_b"])
+    report["decode_vs_prefill_S_b"] = _cmp(decode_fold()["S_b"], prefill()["S_b"])
+    text = json.dumps(report, indent=1)
+    print(text)
+    Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,7 +29,7 @@ eager step. Then timings, each variant timed in two interleaved rounds:
 Floors predicted at the 9B's heads (H100 SXM: ~990 dense bf16 TFLOP/s, ~67 fp32 CUDA-core TFLOP/s, ~3.3 TB/s):
 - 32K prefill (512 chunks): folds 7 MFLOP per chunk and value head (k k^T, T (k..), T (v..): 3 x 64x64x128 MACs;
   W S, kg^T delta: 2 x 64x128x128) x 16384 = 115 GFLOP on tensor cores, ~0.1 ms; their scratch (W, U, kg bf16,
-  A/T fp32: 64 KiB per chunk and head) 1 GiB written and read, ~0.6 ms where it leaves L2; the serial chain (512
+  48 KiB per chunk and head) 0.75 GiB written and read, ~0.6 ms where it leaves L2; the serial chain (512
   steps of 2 dependent small products) ~1 ms. Rows: ~6 K V FLOP per token and value head on CUDA cores (k^T S,
   q^T S, the update) = 100 GFLOP, ~1.5 ms, over 512 x 32 x 4 independent 64-token programs; boundary states (64
   KiB per chunk and head) written by the chain, read and written back by the recurrent launch: 3 GiB, ~0.9 ms;
@@ -124,9 +124,9 @@ def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], ch
         "case": f"prefill 1x{T}", "T": T, "decode_continues_prefill_bits": bool(bits),
         "max_abs_o_vs_recurrent": (o_w.float() - o_r.float()).abs().max().item(),
         "max_abs_state_vs_recurrent": (fin_w - fin_r).abs().max().item(),
-        # per chunk and value head: W, U, kg [C, K|V] bf16, A/T [C, C] fp32, the boundary state [K, V] fp32
+        # per chunk and value head: W, U, kg [C, K|V] bf16, the boundary state [K, V] fp32
         "scratch_mib": (len(cg.chunk_plan([0, T], [0], chunk)["tok"]) * heads[1]
-                        * (chunk * (2 * (2 * heads[2] + heads[3]) + 4 * chunk) + 4 * heads[2] * heads[3])) / 2**20,
+                        * (chunk * 2 * (2 * heads[2] + heads[3]) + 4 * heads[2] * heads[3])) / 2**20,
     }
     del o_w, fin_w, fin_r, part
     state = cg.new_state(1, *heads[1:], chunk, dev, s0)

@@ -52,8 +52,8 @@ Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one
 ``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
 float64 without bf16 roundings), ``prefill_torch`` (the same definition in plain PyTorch: what runs off CUDA; its
 own bits, self-consistent across cuts and steps as the kernels are). Scratch of a call, per completing chunk and
-value head: ``W, U, k * exp(G_last - G)`` ``[C, K|V]`` bf16 and ``A``/``T [C, C]`` fp32 (64 KiB at the 9B's
-heads), plus the boundary states (64 KiB a piece and value head; at 32K tokens of the 9B: 1 + 1 GiB).
+value head: ``W, U, k * exp(G_last - G)`` ``[C, K|V]`` bf16 (48 KiB at the 9B's heads; ``A`` and ``T`` stay in
+registers), plus the boundary states (64 KiB a piece and value head; at 32K tokens of the 9B: 1 + 1 GiB).
 
 Not here: a backward (the trainer's is the chunked form's), the fused q/k normalisation and gates of
 ``kernels.gdn_triton``.

@@ -17,11 +17,10 @@ from titan_rl_ext.configs.rl_common import _rl_trainer, _set_arg, _tiny_rl_confi
 from titan_rl_ext.configs.rl_demo import DEMO_TASK, demo_rl_checkpoint
 from titan_rl_ext.configs.rl_gpu import _gpu_recipe
 from titan_rl_ext.configs.rl_long import GIB, hybrid_param_count, long_memory_split
+from titan_rl_ext.models.common.lora import HYBRID_TARGETS
 from titan_rl_ext.paths import cache_dir
 
-LORA_HYBRID_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                       "out_proj", "gate_proj", "up_proj", "down_proj")
-"""Every projection a Qwen3.5 hybrid has: attention, GDN and MLP."""
+LORA_HYBRID_TARGETS = HYBRID_TARGETS
 
 
 def rl_lora_toy() -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from titan_rl_ext.models.common.lora import HYBRID_TARGETS
 from titan_rl_ext.rl.warmup import answer_batch, answer_prob, load_hf, save_warmed
 
 __all__ = ["lora_warmup", "target_regex"]
@@ -123,9 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", type=float, default=0.2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
-    ap.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
-                                                     "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj",
-                                                     "down_proj"])
+    ap.add_argument("--targets", nargs="+", default=list(HYBRID_TARGETS))
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-steps", type=int, default=300)
     ap.add_argument("--max-seconds", type=float, default=300.0)

@@ -45,6 +45,8 @@ TARGETS: dict[str, tuple[str, int | None]] = {
     "down_proj": ("feed_forward.w2", None),
 }
 _MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj"})
+HYBRID_TARGETS = tuple(TARGETS)
+"""Every projection a Qwen3.5 hybrid has (attention, GDN and MLP): the default adapter set of the LoRA recipes."""
 
 HF_CONFIG_KEY = "titan_lora"
 """Key of the LoRA settings in a served model's HF config (``--hf-overrides '{"titan_lora": {...}}'``): how a vLLM

@@ -134,6 +134,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     for name, x in (("K", K), ("V", V), ("chunk", C)):
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a tile side); got {x}")
+    if C < 64 and v.device.type == "cuda":
+        raise ValueError(f"chunk must be >= 64 on a GPU (the fold's four row blocks are tensor-core tiles of >= 16 "
+                         f"rows); got {C}")
     R = row_layout(K, V)["R"]
     if (S_run.shape[1:] != (HV, K, V) or S_b.shape[1:] != (HV, K, V) or buf.shape[1:] != (HV, C, R)
             or not S_run.shape[0] == S_b.shape[0] == buf.shape[0]):

@@ -6,7 +6,7 @@ What it separates:
 - ``intra`` repeated on the same inputs into fresh NaN-filled scratch: a launch that disagrees with itself is a race
   or an uninitialised read inside ``_intra_kernel``, per output (``w``, ``u``, ``kg``, ``gl``);
   ``intra_num_warps_4`` the same at another warp count;
-- ``chain`` repeated from one intra's scratch and one boundary state: the fold chain alone;
+- ``chain`` repeated from one intra's scratch and one boundary state: the fold chain alone (and at 8 warps);
 - ``prefill``/``decode_fold`` repeated from fresh states: the whole call;
 - the values against the plain-PyTorch fold (``_fold_torch``'s ``W`` and ``S_b``): garbage (a race reading stale
   rows) or a rounding-level difference;
@@ -137,16 +137,18 @@ def main() -> int:
     report["W_vs_torch"] = _cmp(sc["w"][0].float().cpu(), W_ref)
     S_ref = cg._fold_torch(rows, s0[0].cpu())
 
-    def chain() -> dict[str, torch.Tensor]:
+    def chain(num_warps: int = cg.NUM_WARPS["chain"]) -> dict[str, torch.Tensor]:
         S_b, S_run = s0.clone(), _nan((1, HV, K, V), torch.float32, dev)
         kt._chain_kernel[(1, HV, V // cg.BV)](
             plan["r1"], plan["first"], plan["seq_slot"], sc["w"], sc["u"], sc["kg"], sc["gl"], S_b, S_run, S_b,
             S_b.stride(0), S_run.stride(0), HV=HV, K=K, V=V, BV=cg.BV, C=C, UPCAST=not cuda,
-            num_warps=cg.NUM_WARPS["chain"], **opts)
+            num_warps=num_warps, **opts)
         sync()
         return {"S_b": S_b, "S_run": S_run}
 
     report["chain"] = _repeat(chain, ["S_b", "S_run"])
+    report["chain_num_warps_8"] = _repeat(lambda: chain(8), ["S_b", "S_run"])
+    report["chain_warps_8_vs_4"] = _cmp(chain(8)["S_b"], chain()["S_b"])
     report["fold_vs_torch"] = _cmp(chain()["S_b"][0].cpu(), S_ref)
 
     def prefill() -> dict[str, torch.Tensor]:

@@ -160,20 +160,19 @@ class Fleet:
     fleet: GeneratorFleet
     reference: dict[str, torch.Tensor]
     trainer: Any
+    spares: dict[int, GeneratorServer]  # server i's restart, booted with the fleet (``restart``)
     weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def restart(self, *idx: int) -> None:
-        """Kill servers ``idx`` (those alive) and start a fresh one on each one's port: the checkpoint's weights.
-        They boot side by side (a boot is ~30 s on CPU), and this returns once all of them answer."""
-        fresh = {}
+        """Kill servers ``idx`` (those alive) and put a fresh one behind each one's proxy: a new process with the
+        checkpoint's weights (version 0) and a boot id of its own, at the address the fleet knows (the proxy's).
+        The fresh ones were started with the fleet (``fl``), their boots (~30 s of CPU each) side by side with the
+        first three's, instead of the test waiting here for two more boots."""
         for i in idx:
             kill_group(self.servers[i])
-            fresh[i] = GeneratorServer(self.model_dir, self.log_dir / f"server{i}-restart.log", SERVER_ARGS, _env(i),
-                                       port=self.servers[i].port)
-        for i, srv in fresh.items():
-            self.servers[i] = srv  # in place before the wait: the fixture's teardown kills whatever is here
-        for srv in fresh.values():
-            srv.wait_ready()
+            self.servers[i] = self.spares.pop(i)  # in place before the wait: the fixture's teardown kills it
+            self.servers[i].wait_ready()
+            self.proxies[i].upstream_port = self.servers[i].port
 
 
 def _env(i: int) -> dict[str, str]:
@@ -198,6 +197,7 @@ def fl(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
     model_dir = tiny_ckpt("qwen3_5", layout="vlm")
     log_dir = tmp_path_factory.mktemp("fleet")
     servers = [GeneratorServer(model_dir, log_dir / f"server{i}.log", SERVER_ARGS, _env(i)) for i in range(3)]
+    spares = {i: GeneratorServer(model_dir, log_dir / f"server{i}-restart.log", SERVER_ARGS, _env(i)) for i in (0, 2)}
     try:
         model, _ = load_hf_model(model_dir, dtype=torch.float32)  # while the servers boot
         model.eval()
@@ -210,12 +210,12 @@ def fl(tiny_ckpt: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fle
             doc = requests.get(f"{p.url}/titan/v1/weights/version", timeout=30).json()
             assert doc["version"] == 0 and "push_port" not in doc
             fleet.verify(p.url, 0, doc["boot_id"])
-        f = Fleet(model_dir, log_dir, servers, proxies, fleet, ref, model, {0: ref})
+        f = Fleet(model_dir, log_dir, servers, proxies, fleet, ref, model, dict(spares), {0: ref})
         proxies[0].on_kill = lambda: kill_group(f.servers[0])
         proxies[0].on_freeze = lambda: _freeze_engine(f.servers[0])
         yield f
     finally:
-        for s in servers:
+        for s in [*servers, *spares.values()]:  # a spare put in service is in both
             kill_group(s)
 
 

@@ -44,3 +44,43 @@ def test_spawned_server_env_drops_torchrun_and_its_agent_store(monkeypatch: pyte
     # the control: the trainer's own environment cannot do that rendezvous
     hung = _rendezvous(dict(os.environ))
     assert hung.returncode != 0 and "rendezvous ok" not in hung.stdout
+
+
+def test_trainer_waits_for_a_booting_generator_then_names_a_dead_one() -> None:
+    """``--rl.generator-urls`` of a server still booting: the trainer waits until ``/health`` answers 200 (a
+    server that comes up after 1.5 s is waited for); a port where nothing comes up fails after the timeout with
+    the address in the error."""
+    import http.server
+    import threading
+    import time
+
+    from titan_rl_ext.rl.generator_server import wait_healthy
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = free_port()
+    httpd: list[http.server.HTTPServer] = []
+
+    def boot() -> None:
+        time.sleep(1.5)
+        httpd.append(http.server.HTTPServer(("127.0.0.1", port), Health))
+        httpd[0].serve_forever()
+
+    threading.Thread(target=boot, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/", timeout_s=30)
+        assert time.monotonic() - t0 >= 1.4  # it did wait for the boot
+    finally:
+        while not httpd:
+            time.sleep(0.1)
+        httpd[0].shutdown()
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match=dead.replace(".", r"\.")):
+        wait_healthy(dead, timeout_s=1.0)

@@ -28,6 +28,8 @@ class RLConfig:
     """The spawned server's ``--model-impl``: ``titan``, or ``auto`` for vLLM's native class (a baseline that
     still takes every push; its logprobs differ from the trainer's, BI or not)."""
     server_boot_timeout_s: float = 600.0
+    """How long the trainer waits for its spawned generator to boot, and for each of ``generator_urls`` to answer
+    ``/health`` (a ``vllm serve`` started beside the trainer)."""
     warm_kernels: bool = True
     """Run one forward and backward of a synthetic step-sized batch before the first step (while a spawned
     generator boots): a fresh machine compiles the trainer's kernels then, and a step too large for memory

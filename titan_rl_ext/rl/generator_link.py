@@ -16,6 +16,7 @@ import torch
 
 from titan_rl_ext import settings
 from titan_rl_ext.kernels.batch_invariant import ENV_VAR as BI_ENV
+from titan_rl_ext.rl.generator_server import wait_healthy
 from titan_rl_ext.wire.protocol import GDN_RECURRENT_FIELD, SWAP_PORT_ENV, TOKEN_ENV, VERSION_ROUTE
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class GeneratorLink:
 
         token = settings.named(self.rl.swap_token_env)
         urls = list(self.rl.generator_urls)
+        for url in urls:  # servers started beside the trainer may still be booting
+            wait_healthy(url, self.rl.server_boot_timeout_s)
         if self.server is not None:
             token = self._spawned_token
             self.server.wait_ready(self.rl.server_boot_timeout_s)

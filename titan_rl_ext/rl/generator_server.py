@@ -46,6 +46,29 @@ def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base.rstrip('/')}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_healthy(base: str, timeout_s: float) -> None:
+    """Wait for a generator the run did not start (``--rl.generator-urls``) to answer ``/health``: a trainer and
+    its ``vllm serve`` are often started together, and a boot takes minutes on a GPU. TimeoutError names the
+    address after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    if _healthy(base):
+        return
+    logger.info("RL: waiting up to %.0f s for the generator at %s to answer /health", timeout_s, base)
+    while not _healthy(base):
+        if time.time() > deadline:
+            raise TimeoutError(f"the generator at {base} did not answer /health within {timeout_s:.0f} s "
+                               "(--rl.server-boot-timeout-s)")
+        time.sleep(0.5)
+
+
 class GeneratorServer:
     """Starts on construction; ``wait_ready()`` before use (a boot takes ~25 s on CPU); ``close()`` stops it."""
 
@@ -65,12 +88,8 @@ class GeneratorServer:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            if _healthy(self.base):
+                return
             if time.time() > deadline:
                 self.close()
                 raise TimeoutError(f"vLLM server not ready in {timeout_s} s (log {self.log_path})")

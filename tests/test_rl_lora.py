@@ -52,8 +52,9 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     model_dir = Path(recipe.rl.model_dir)
     env = server_env(TITAN_SWAP_TOKEN=TOKEN, TITAN_BATCH_INVARIANT="1")
     args = ["--seed", "0", "--hf-overrides", json.dumps({HF_CONFIG_KEY: lora.to_hf()})]
+    # the trainer starts while the server boots: it waits for /health itself (--rl.generator-urls), its imports,
+    # model load and kernel warm-up beside the boot instead of after it
     with openai_server(model_dir, tmp / "server.log", 512, args, env=env) as srv:
-        srv.wait_ready()
         run, adapter = tmp / "run", tmp / "adapter"
         train_env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                          HF_HOME=str(tmp / "hf"), TITAN_SWAP_TOKEN=TOKEN,
@@ -61,11 +62,12 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                "-m", "titan_rl_ext.train", "--module", "titan_rl_ext.configs", "--config", "rl_lora_toy",
                "--training.steps", str(STEPS), "--rl.no-spawn-server", "--rl.generator-urls", srv.base,
-               "--rl.run-dir", str(run), "--dump-folder", str(tmp / "dump"), "--rl.export-adapter-dir", str(adapter)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=train_env, cwd=tmp)
+               "--rl.run-dir", str(run), "--dump-folder", str(tmp / "dump"), "--rl.export-adapter-dir", str(adapter),
+               "--rl.server-boot-timeout-s", "240"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=train_env, cwd=tmp)
         log = r.stdout + r.stderr
         (tmp / "train.log").write_text(log)
-        assert r.returncode == 0, log[-6000:]
+        assert r.returncode == 0, (srv.exit_reason() or "") + log[-6000:]
         yield {"run": run, "adapter": adapter, "model_dir": model_dir, "srv": srv, "lora": lora, "log": log}
 
 

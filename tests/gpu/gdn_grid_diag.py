@@ -83,7 +83,8 @@ def main() -> int:
 
     def sync() -> None:
         if cuda:
-            sync()
+            torch.cuda.synchronize()
+
     gen = torch.Generator(device=dev).manual_seed(5)
     k = F.normalize(torch.randn(C, H, K, device=dev, generator=gen), dim=-1).bfloat16()
     q = F.normalize(torch.randn(C, H, K, device=dev, generator=gen), dim=-1).bfloat16()

@@ -289,15 +289,19 @@ def _chain_kernel(
     if (c_end - c_beg > 1) | last_folds:
         S = tl.load(sb_ptr + slot * sb_n + p_S)
         for c in range(c_beg, c_end):
-            if tl.load(r1_ptr + c) == C:  # every piece but a sequence's last completes its chunk
-                base = c * HV + hv
-                W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
-                U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
-                kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
-                G_last = tl.load(gl_ptr + base)
-                delta = (U - _dot(W, S.to(tl.bfloat16), UPCAST)).to(tl.bfloat16)
-                S = tl.exp(G_last) * S + _dot(kgT, delta, UPCAST)
-            if c + 1 < c_end:  # the next piece's rows start from this boundary state
+            # every piece but a sequence's last completes its chunk. The fold is computed for every piece and
+            # kept where it folds (a select, not a branch): Triton 3.6 gave garbage states on an H100 when the
+            # loop's tensor-core products sat under an ``if`` that carried the state out (docs/gpu_runs.md §24)
+            folds = tl.load(r1_ptr + c) == C
+            base = c * HV + hv
+            # (a piece that does not fold reads its unwritten scratch rows: allocated, and its result discarded)
+            W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
+            U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
+            kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
+            G_last = tl.load(gl_ptr + base)
+            delta = (U - _dot(W, S.to(tl.bfloat16), UPCAST)).to(tl.bfloat16)
+            S = tl.where(folds, tl.exp(G_last) * S + _dot(kgT, delta, UPCAST), S)
+            if c + 1 < c_end:  # the next piece's rows start from this boundary state (a store: nothing carried)
                 tl.store(scr_ptr + (c + 1) * HV * K * V + p_S, S)
         tl.store(sb_ptr + slot * sb_n + p_S, S)
         if last_folds:  # a chunk just completed: the running state restarts at its boundary

@@ -420,14 +420,15 @@ def main() -> int:
     print("bits:", results["bits"])
     save()
     rows: list[dict[str, Any]] = []
-    for T in lengths:
+    results["rows"] = rows
+    for T in lengths:  # each row saved as it lands: a fault (an illegal access ends the process) keeps the rest
         rows.append(_prefill_row(T, dev, heads, chunk, timer, args, fla))
+        save()
     for B in batches:
         rows.append(_decode_row(B, dev, heads, chunk, timer, args))
+        save()
     for row in rows:
         print("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-    results["rows"] = rows
-    save()
     pre = [r for r in rows if "T" in r]
     dec = [r for r in rows if "B" in r]
     print("\nPREFILL\n" + fmt_table(pre, [

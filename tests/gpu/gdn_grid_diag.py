@@ -138,11 +138,11 @@ def main() -> int:
     report["W_vs_torch"] = _cmp(sc["w"][0].float().cpu(), W_ref)
     S_ref = cg._fold_torch(rows, s0[0].cpu())
 
-    def chain(num_warps: int = cg.NUM_WARPS["chain"]) -> dict[str, torch.Tensor]:
+    def chain(num_warps: int = cg.NUM_WARPS["chain"], upcast: bool = not cuda) -> dict[str, torch.Tensor]:
         S_b, S_run = s0.clone(), _nan((1, HV, K, V), torch.float32, dev)
         kt._chain_kernel[(1, HV, V // cg.BV)](
             plan["r1"], plan["first"], plan["seq_slot"], sc["w"], sc["u"], sc["kg"], sc["gl"], S_b, S_run, S_b,
-            S_b.stride(0), S_run.stride(0), HV=HV, K=K, V=V, BV=cg.BV, C=C, UPCAST=not cuda,
+            S_b.stride(0), S_run.stride(0), HV=HV, K=K, V=V, BV=cg.BV, C=C, UPCAST=upcast,
             num_warps=num_warps, **opts)
         sync()
         return {"S_b": S_b, "S_run": S_run}
@@ -150,6 +150,10 @@ def main() -> int:
     report["chain"] = _repeat(chain, ["S_b", "S_run"])
     report["chain_num_warps_8"] = _repeat(lambda: chain(8), ["S_b", "S_run"])
     report["chain_warps_8_vs_4"] = _cmp(chain(8)["S_b"], chain()["S_b"])
+    try:  # float64 dots (mma.sync, no wgmma): the fold's value by another instruction path
+        report["chain_float64_vs_torch"] = _cmp(chain(upcast=True)["S_b"][0].cpu(), S_ref)
+    except Exception as e:  # a variant that does not compile is a result
+        report["chain_float64_vs_torch"] = {"error": f"{type(e).__name__}: {e}"[:400]}
     report["fold_vs_torch"] = _cmp(chain()["S_b"][0].cpu(), S_ref)
 
     def prefill() -> dict[str, torch.Tensor]:

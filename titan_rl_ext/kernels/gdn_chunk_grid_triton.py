@@ -134,20 +134,16 @@ def _wu_block(T0, T1, T2, T3, X0, X1, X2, X3, n: tl.constexpr, UPCAST: tl.conste
     return acc
 
 
-# Triton compiles a variant per pointer alignment (16-byte or not) and per integer equal to 1 / divisible by 16; a
-# variant may give a loaded tile another register layout, and with it another order inside ``tl.cumsum`` and the
-# substitution's ``tl.reduce`` -- so a prompt continued from a slice at an odd token would round differently from
-# the whole prompt (an engine's q/k/v are views at whatever offset the step's layout gives). Every pointer and
-# stride is left unspecialised: one compiled kernel for every call.
+# Triton compiles a variant per integer equal to 1 / divisible by 16: the strides are left unspecialised (one
+# compiled kernel whatever the step's layout). Pointers keep Triton's alignment specialisation: with it switched
+# off (``do_not_specialize_on_alignment``) Triton 3.6 compiled the fold kernels into garbage states and illegal
+# addresses on an H100 (docs/gpu_runs.md §23); an engine's q/k/v views at any token offset stay 16-byte aligned
+# (rows of H x K bf16), as do the caches and scratch.
 _INTRA_INTS = ["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t", "sbuf_n"]
-_INTRA_PTRS = ["k_ptr", "v_ptr", "g_ptr", "beta_ptr", "tok_ptr", "r0_ptr", "r1_ptr", "slot_ptr", "bufh_ptr",
-               "buff_ptr", "w_ptr", "u_ptr", "kg_ptr", "gl_ptr"]
 _CHAIN_INTS = ["sb_n", "srun_n"]
-_CHAIN_PTRS = ["r1_ptr", "first_ptr", "slot_ptr", "w_ptr", "u_ptr", "kg_ptr", "gl_ptr", "sb_ptr", "srun_ptr",
-               "scr_ptr"]
 
 
-@triton.jit(do_not_specialize=_INTRA_INTS, do_not_specialize_on_alignment=_INTRA_PTRS + _INTRA_INTS)
+@triton.jit(do_not_specialize=_INTRA_INTS)
 def _intra_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, tok_ptr, r0_ptr, r1_ptr, slot_ptr, bufh_ptr, buff_ptr,
     w_ptr, u_ptr, kg_ptr, gl_ptr,
@@ -269,7 +265,7 @@ def _save_kernel(
         tl.store(p_gf + 1, b_in, mask=new)
 
 
-@triton.jit(do_not_specialize=_CHAIN_INTS, do_not_specialize_on_alignment=_CHAIN_PTRS + _CHAIN_INTS)
+@triton.jit(do_not_specialize=_CHAIN_INTS)
 def _chain_kernel(
     r1_ptr, first_ptr, slot_ptr, w_ptr, u_ptr, kg_ptr, gl_ptr, sb_ptr, srun_ptr, scr_ptr, sb_n, srun_n,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, UPCAST: tl.constexpr,

@@ -65,6 +65,19 @@ def _repeat(fn: Any, names: list[str]) -> dict[str, Any]:
     return out
 
 
+class _Report(dict):  # type: ignore[type-arg]
+    """A dict that rewrites its JSON file and prints each entry as it is set."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = Path(path)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.path.write_text(json.dumps(self, indent=1))
+        print(key, json.dumps(value)[:400], flush=True)
+
+
 def _nan(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=dev)
 
@@ -99,8 +112,9 @@ def main() -> int:
     plan["seq_slot"] = plan["slot"]
     buf = torch.zeros(1, HV, C, R, dtype=torch.bfloat16, device=dev)
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), buf.stride(0))
-    report: dict[str, Any] = {"heads": [H, HV, K, V], "chunk": C, "repeats": REPEATS,
-                              "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "torch": torch.__version__}
+    report = _Report(args.out)  # each result written as it lands: an illegal address ends the process
+    report.update({"heads": [H, HV, K, V], "chunk": C, "repeats": REPEATS, "torch": torch.__version__,
+                   "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"})
     import triton
     report["triton"] = triton.__version__
 
@@ -177,7 +191,7 @@ def main() -> int:
 
     report["decode_fold"] = _repeat(decode_fold, ["o", "S_run", "S_b"])
     report["decode_vs_prefill_S_b"] = _cmp(decode_fold()["S_b"], prefill()["S_b"])
-    Path(args.out).write_text(json.dumps(report, indent=1))  # before the variant that may end the context
+    # last: the variant that may end the context (every result above is already written)
     # the same kernel with pointer alignment unspecialised (as the fold kernels were compiled before): its value
     unaligned = triton.jit(kt._chain_kernel.fn, do_not_specialize=kt._CHAIN_INTS,
                            do_not_specialize_on_alignment=["w_ptr", "u_ptr", "kg_ptr", "gl_ptr", "sb_ptr", "srun_ptr",

@@ -148,6 +148,7 @@ def test_lead_relays_a_packed_bucket_to_its_follower_on_one_store() -> None:
 def test_transport_options_are_checked_at_start_up_and_reach_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--rl.weight_transport_options``: a bad key or value stops the trainer in ``__init__`` (before any model is
     built), naming it; good ones reach the ``titan_gloo`` transport the generator link builds (no server)."""
+    from titan_rl_ext.rl import generator_link
     from titan_rl_ext.rl.config import RLConfig
     from titan_rl_ext.rl.generator_link import GeneratorLink
     from titan_rl_ext.rl.trainer import RLTrainer
@@ -171,6 +172,7 @@ def test_transport_options_are_checked_at_start_up_and_reach_the_transport(monke
 
     monkeypatch.setenv("TITAN_TEST_SWAP_TOKEN", "t")
     monkeypatch.setattr(GeneratorLink, "server_info", staticmethod(lambda url: {"version": 0, "boot_id": "b"}))
+    monkeypatch.setattr(generator_link, "wait_healthy", lambda url, timeout_s: None)  # as if it answered /health
     monkeypatch.setattr(GeneratorLink, "set_batch_invariant", lambda self, enabled: None)
     rl = RLConfig(model_dir="unused", generator_urls=["http://10.1.2.3:8000"], swap_token_env="TITAN_TEST_SWAP_TOKEN",
                   weight_transport="titan_gloo_relay", weight_transport_options=json.dumps(

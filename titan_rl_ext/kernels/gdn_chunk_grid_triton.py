@@ -10,9 +10,7 @@ layouts and the same order inside every ``tl.dot`` and reduction):
   once, which is what a decode step that folds nothing costs): the chunk's 64 raw rows (earlier rows of an open
   chunk from the state buffer, the call's rows from its inputs) in four 16-row blocks, ``G``, the blocks of ``A``
   and ``T = (I + A)^-1`` in registers, and ``W``, ``U`` and the fold's decayed keys into scratch. Nothing it
-  writes is read back in the same launch: an earlier form kept ``A``/``T`` in global scratch between the
-  threads of one program, ordered by ``tl.debug_barrier`` alone, and its folds changed bits from launch to launch
-  on an H100 (docs/gpu_runs.md §22) while the interpreter, which runs a program's tiles whole, saw nothing;
+  writes is read back in the same launch (no barrier to trust between the threads of one program);
 - ``_save_kernel``, program (piece, value head): the call's rows of a sequence's last, open chunk into the buffer.
   A launch of its own, after ``_intra_kernel``: a call that continues one open chunk and ends in another reads the
   first's earlier rows from the same buffer rows the second's new rows go to, and programs of one launch run in no
@@ -152,8 +150,7 @@ def _intra_kernel(
     UPCAST: tl.constexpr,
 ):
     """The fold's operands of a chunk the piece completes, in four ``SUB = C / 4``-row blocks held in registers
-    from the first load to the last store: no memory this program writes is read back (a global round trip
-    between the threads of one program is ordered only by barriers the compiler may not keep)."""
+    from the first load to the last store: no memory this program writes is read back."""
     c = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     r1 = tl.load(r1_ptr + c)
@@ -285,19 +282,15 @@ def _chain_kernel(
     if (c_end - c_beg > 1) | last_folds:
         S = tl.load(sb_ptr + slot * sb_n + p_S)
         for c in range(c_beg, c_end):
-            # every piece but a sequence's last completes its chunk. The fold is computed for every piece and
-            # kept where it folds (a select, not a branch): Triton 3.6 gave garbage states on an H100 when the
-            # loop's tensor-core products sat under an ``if`` that carried the state out (docs/gpu_runs.md §24)
-            folds = tl.load(r1_ptr + c) == C
-            base = c * HV + hv
-            # (a piece that does not fold reads its unwritten scratch rows: allocated, and its result discarded)
-            W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
-            U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
-            kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
-            G_last = tl.load(gl_ptr + base)
-            delta = (U - _dot(W, S.to(tl.bfloat16), UPCAST)).to(tl.bfloat16)
-            S = tl.where(folds, tl.exp(G_last) * S + _dot(kgT, delta, UPCAST), S)
-            if c + 1 < c_end:  # the next piece's rows start from this boundary state (a store: nothing carried)
+            if tl.load(r1_ptr + c) == C:  # every piece but a sequence's last completes its chunk
+                base = c * HV + hv
+                W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
+                U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
+                kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
+                G_last = tl.load(gl_ptr + base)
+                delta = (U - _dot(W, S.to(tl.bfloat16), UPCAST)).to(tl.bfloat16)
+                S = tl.exp(G_last) * S + _dot(kgT, delta, UPCAST)
+            if c + 1 < c_end:  # the next piece's rows start from this boundary state
                 tl.store(scr_ptr + (c + 1) * HV * K * V + p_S, S)
         tl.store(sb_ptr + slot * sb_n + p_S, S)
         if last_folds:  # a chunk just completed: the running state restarts at its boundary

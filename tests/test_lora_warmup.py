@@ -56,14 +56,15 @@ def test_lora_warmup_learns_merges_and_is_cached(small_init: Path, tmp_path: Pat
     import titan_rl_ext.rl.lora_warmup as lw
     from peft import PeftModel
 
-    from titan_rl_ext.configs.rl_lora import LORA_HYBRID_TARGETS, lora_warmed_checkpoint
+    from titan_rl_ext.configs.rl_lora import lora_warmed_checkpoint
+    from titan_rl_ext.models.common.lora import HYBRID_TARGETS
     from titan_rl_ext.rl.rewards import SyntheticTask
     from titan_rl_ext.rl.warmup import answer_batch, answer_prob, load_hf
 
     monkeypatch.setenv("TITAN_RL_CACHE", str(tmp_path / "cache"))
     adapter = tmp_path / "adapter"
     # a target it cannot reach in STEPS: every step runs, so the rise measured is STEPS steps'
-    warm: dict[str, Any] = dict(targets=LORA_HYBRID_TARGETS, target=0.999, rank=8, alpha=16.0, lr=1e-3,
+    warm: dict[str, Any] = dict(targets=HYBRID_TARGETS, target=0.999, rank=8, alpha=16.0, lr=1e-3,
                                 max_steps=STEPS, eval_every=5, adapter_dir=adapter, verbose=False)
     out = Path(lora_warmed_checkpoint(small_init, "warm", **warm))
     info = json.loads((out / "warmup.json").read_text())
@@ -88,7 +89,7 @@ def test_lora_warmup_learns_merges_and_is_cached(small_init: Path, tmp_path: Pat
     # only the adapted projections changed, each of them did, and the config is the source's
     before, after = _weights(small_init), _weights(out)
     assert before.keys() == after.keys()
-    adapted = {k for k in before if any(k.endswith(f".{t}.weight") for t in LORA_HYBRID_TARGETS) and ".layers." in k}
+    adapted = {k for k in before if any(k.endswith(f".{t}.weight") for t in HYBRID_TARGETS) and ".layers." in k}
     assert len(adapted) == 15  # 1 GDN layer x (5 + 3) + 1 attention layer x (4 + 3)
     for k in before:
         assert torch.equal(before[k], after[k]) != (k in adapted), k

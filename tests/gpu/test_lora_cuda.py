@@ -32,13 +32,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("rank", [8, 16])
 def test_lora_bi_alone_equals_packed_and_trains_adapters_only(model_dir: str, rank: int) -> None:
-    from titan_rl_ext.configs.rl_lora import LORA_HYBRID_TARGETS
     from titan_rl_ext.kernels.batch_invariant import batch_invariant
     from titan_rl_ext.models.common.batch import SeqBatch
-    from titan_rl_ext.models.common.lora import LoRAConfig, is_lora_param, lora_modules
+    from titan_rl_ext.models.common.lora import HYBRID_TARGETS, LoRAConfig, is_lora_param, lora_modules
     from titan_rl_ext.models.hf import load_hf_model
 
-    cfg = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=LORA_HYBRID_TARGETS)
+    cfg = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=HYBRID_TARGETS)
     model, _ = load_hf_model(model_dir, dtype=torch.bfloat16, device="cuda", lora=cfg)
     base, _ = load_hf_model(model_dir, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)

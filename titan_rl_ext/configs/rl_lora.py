@@ -20,8 +20,6 @@ from titan_rl_ext.configs.rl_long import GIB, hybrid_param_count, long_memory_sp
 from titan_rl_ext.models.common.lora import HYBRID_TARGETS
 from titan_rl_ext.paths import cache_dir
 
-LORA_HYBRID_TARGETS = HYBRID_TARGETS
-
 
 def rl_lora_toy() -> Any:
     """LoRA RL on CPU: the demo's warmed-up tiny Qwen3.5 (``demo_rl_checkpoint``: its copy-task answers are right
@@ -32,7 +30,7 @@ def rl_lora_toy() -> Any:
     hf_dir = demo_rl_checkpoint(verbose=False)
     dump = cache_dir() / "outputs" / "rl_lora_toy"
     rl = _tiny_rl_config(hf_dir, task=f"synthetic_{DEMO_TASK}", stale_gap_versions=3, lora_rank=8, lora_alpha=16.0,
-                         lora_targets=list(LORA_HYBRID_TARGETS), export_adapter_dir=str(dump / "adapter"))
+                         lora_targets=list(HYBRID_TARGETS), export_adapter_dir=str(dump / "adapter"))
     return _rl_trainer(model_spec_from_hf(hf_dir), hf_dir, rl, steps=6, lr=1e-2, warmup=1, batch_invariant=True,
                        dump=str(dump), checkpoint_interval=10)
 
@@ -142,7 +140,7 @@ def lora_9b_checkpoint(warm: bool = True, verbose: bool = True) -> str:
     if not warm:
         return str(d)
     return lora_warmed_checkpoint(
-        d, f"rl_lora_9b_{DEMO_TASK}_{int(LORA_9B_WARMUP_TARGET * 100)}_lora", targets=LORA_HYBRID_TARGETS,
+        d, f"rl_lora_9b_{DEMO_TASK}_{int(LORA_9B_WARMUP_TARGET * 100)}_lora", targets=HYBRID_TARGETS,
         kind=DEMO_TASK, target=LORA_9B_WARMUP_TARGET, rank=LORA_9B_RANK, alpha=2.0 * LORA_9B_RANK,
         lr=LORA_9B_WARMUP_LR,
         # one step between checks: at this width a step can move the answer rate by ~0.1-0.4 (the CPU curves)
@@ -177,7 +175,7 @@ def rl_lora_9b() -> Any:
     prompts, group = 16, 8
     server = _set_arg(rl.server_args, "--max-model-len", str(LORA_9B_MAX_MODEL_LEN))
     if torch.cuda.is_available():
-        split = lora_memory_split(lora_9b_shape(), rank=LORA_9B_RANK, targets=LORA_HYBRID_TARGETS, seqs=prompts * group,
+        split = lora_memory_split(lora_9b_shape(), rank=LORA_9B_RANK, targets=HYBRID_TARGETS, seqs=prompts * group,
                                   max_model_len=LORA_9B_MAX_MODEL_LEN, chunk_tokens=LORA_9B_MAX_MODEL_LEN,
                                   stale_versions=3)
         share = math.ceil(100 * split["generator"] * GIB / torch.cuda.get_device_properties(0).total_memory) / 100
@@ -187,7 +185,7 @@ def rl_lora_9b() -> Any:
         rl, server_args=server, prompts_per_step=prompts, group_size=group, num_producers=prompts, max_tokens=8,
         offpolicy=2, stale_gap_versions=3, stale_gap_device="cpu", loss=loss_config("dapo"),
         batch_invariant_steps=1_000_000, loss_chunk_tokens=LORA_9B_MAX_MODEL_LEN, seeded_sampling=False,
-        lora_rank=LORA_9B_RANK, lora_alpha=2.0 * LORA_9B_RANK, lora_targets=list(LORA_HYBRID_TARGETS),
+        lora_rank=LORA_9B_RANK, lora_alpha=2.0 * LORA_9B_RANK, lora_targets=list(HYBRID_TARGETS),
         export_adapter_dir=str(cache_dir() / "outputs" / "rl_lora_9b" / "adapter"))
     cfg.model_spec.model.batch_invariant = True
     if torch.cuda.is_available():  # (on a CPU the recipe keeps _gpu_recipe's fp32 server and trainer)

@@ -81,6 +81,21 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def bit_diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """Two tensors compared as integers (``torch.equal`` on floats reads a NaN as differing from itself, so a
+    deterministic NaN would pass for a race): whether every bit agrees, how many elements differ, each side's
+    non-finite count and the largest ``|a - b|`` over finite pairs. Another shape or dtype: not equal, nothing
+    counted."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"equal_bits": False, "differing": None, "nonfinite": None, "max_abs": None}
+    ia, ib = (x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32) for x in (a, b))
+    same = ia == ib
+    fa, fb = torch.isfinite(a.float()), torch.isfinite(b.float())
+    d = (a.float() - b.float()).abs()[fa & fb]
+    return {"equal_bits": bool(same.all()), "differing": int((~same).sum()),
+            "nonfinite": [int((~fa).sum()), int((~fb).sum())], "max_abs": float(d.max()) if d.numel() else None}
+
+
 class Timer:
     """Per-rep milliseconds of ``fn()`` after ``warmup`` untimed calls.
 

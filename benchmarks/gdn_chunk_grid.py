@@ -60,8 +60,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import Timer, add_timing_args, base_parser, environment, fmt_table, json_saver  # noqa: E402
-from bench_common import print_header, profile_step, resolve_device  # noqa: E402
+from bench_common import Timer, add_timing_args, base_parser, bit_diff, environment, fmt_table  # noqa: E402
+from bench_common import json_saver, print_header, profile_step, resolve_device  # noqa: E402
 
 from titan_rl_ext.kernels import gdn_chunk_grid as cg  # noqa: E402
 from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent  # noqa: E402
@@ -245,21 +245,16 @@ def _same_state(a: cg.GridState, b: cg.GridState, n_open: int) -> dict[str, bool
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit equality as integers: ``torch.equal`` on floats reads a NaN as differing from itself (a deterministic
-    NaN would pass as a race), and a non-finite value is reported apart."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    ia, ib = (x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32) for x in (a, b))
-    same = torch.equal(ia, ib)
-    bad = int((~torch.isfinite(a.float())).sum()) + int((~torch.isfinite(b.float())).sum())
-    if bad:
-        print(f"  non-finite values in a compared tensor: {bad} (bits {'equal' if same else 'differ'})")
-    if not same:
-        fin = torch.isfinite(a.float()) & torch.isfinite(b.float())
-        d = (a.float() - b.float()).abs()[fin]
-        print(f"  {int((ia != ib).sum())} of {ia.numel()} elements differ, max |diff| over finite pairs "
-              f"{float(d.max()) if d.numel() else float('nan'):.3g}")
-    return same
+    """Bit equality as integers (``bench_common.bit_diff``), printing non-finite values and, where the bits differ,
+    how many elements and by how much."""
+    d = bit_diff(a, b)
+    if d["nonfinite"] and sum(d["nonfinite"]):
+        print(f"  non-finite values in a compared tensor: {sum(d['nonfinite'])} "
+              f"(bits {'equal' if d['equal_bits'] else 'differ'})")
+    if not d["equal_bits"] and d["differing"] is not None:
+        print(f"  {d['differing']} of {a.numel()} elements differ, max |diff| over finite pairs "
+              f"{d['max_abs'] if d['max_abs'] is not None else float('nan'):.3g}")
+    return d["equal_bits"]
 
 
 def _bits(dev: torch.device, heads: tuple[int, int, int, int], chunk: int) -> dict[str, bool]:

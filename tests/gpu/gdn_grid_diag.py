@@ -26,26 +26,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from titan_rl_ext.kernels import gdn_chunk_grid as cg
-from titan_rl_ext.kernels import gdn_chunk_grid_triton as kt
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the commit stamp, the comparison
+from bench_common import bit_diff, environment  # noqa: E402
+from bench_common import sync  # noqa: E402
+
+from titan_rl_ext.kernels import gdn_chunk_grid as cg  # noqa: E402
+from titan_rl_ext.kernels import gdn_chunk_grid_triton as kt  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 C = cg.CHUNK
 REPEATS = 6
-
-
-def _ints(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
-
-
-def _cmp(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    """Bits as integers (NaN-aware), differing elements, non-finite counts, max |a - b| over finite pairs."""
-    same = _ints(a) == _ints(b)
-    fin = torch.isfinite(a.float()) & torch.isfinite(b.float())
-    d = (a.float() - b.float()).abs()[fin]
-    return {"equal_bits": bool(same.all()), "differing": int((~same).sum()),
-            "nonfinite": [int((~torch.isfinite(a.float())).sum()), int((~torch.isfinite(b.float())).sum())],
-            "max_abs": float(d.max()) if d.numel() else None}
 
 
 def _repeat(fn: Any, names: list[str]) -> dict[str, Any]:
@@ -55,7 +45,7 @@ def _repeat(fn: Any, names: list[str]) -> dict[str, Any]:
     for _ in range(REPEATS - 1):
         got = fn()
         for n in names:
-            c = _cmp(got[n], first[n])
+            c = bit_diff(got[n], first[n])
             if not c["equal_bits"]:
                 out[n]["all_equal"] = False
                 if out[n]["worst"] is None or c["differing"] > out[n]["worst"]["differing"]:
@@ -94,10 +84,6 @@ def main() -> int:
     cuda = dev.type == "cuda"
     opts = {"enable_fp_fusion": True} if cuda else {}
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     gen = torch.Generator(device=dev).manual_seed(5)
     k = F.normalize(torch.randn(C, H, K, device=dev, generator=gen), dim=-1).bfloat16()
     q = F.normalize(torch.randn(C, H, K, device=dev, generator=gen), dim=-1).bfloat16()
@@ -113,10 +99,7 @@ def main() -> int:
     buf = torch.zeros(1, HV, C, R, dtype=torch.bfloat16, device=dev)
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), buf.stride(0))
     report = _Report(args.out)  # each result written as it lands: an illegal address ends the process
-    report.update({"heads": [H, HV, K, V], "chunk": C, "repeats": REPEATS, "torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"})
-    import triton
-    report["triton"] = triton.__version__
+    report.update({"env": environment(dev), "heads": [H, HV, K, V], "chunk": C, "repeats": REPEATS})
 
     def intra(num_warps: int) -> dict[str, torch.Tensor]:
         s = {"w": _nan((1, HV, C, K), torch.bfloat16, dev), "u": _nan((1, HV, C, V), torch.bfloat16, dev),
@@ -125,7 +108,7 @@ def main() -> int:
             k, v, g, beta, plan["tok"], plan["r0"], plan["r1"], plan["slot"], buf, buf.view(torch.float32),
             s["w"], s["u"], s["kg"], s["gl"], *strides,
             H=H, HV=HV, K=K, V=V, C=C, R=R, UPCAST=not cuda, num_warps=num_warps, **opts)
-        sync()
+        sync(dev)
         return s
 
     names = ["w", "u", "kg", "gl"]
@@ -149,7 +132,7 @@ def main() -> int:
     T_ref = torch.linalg.solve_triangular(eye + A.double(), eye.expand(HV, C, C), upper=False).float()
     W_ref = cg._mm(T_ref.bfloat16().float() * (idx[:, None] >= idx[None, :]),
                    (kr * (br * torch.exp(G))[..., None]).bfloat16())
-    report["W_vs_torch"] = _cmp(sc["w"][0].float().cpu(), W_ref)
+    report["W_vs_torch"] = bit_diff(sc["w"][0].float().cpu(), W_ref)
     S_ref = cg._fold_torch(rows, s0[0].cpu())
 
     def chain(num_warps: int = cg.NUM_WARPS["chain"], upcast: bool = not cuda) -> dict[str, torch.Tensor]:
@@ -158,24 +141,24 @@ def main() -> int:
             plan["r1"], plan["first"], plan["seq_slot"], sc["w"], sc["u"], sc["kg"], sc["gl"], S_b, S_run, S_b,
             S_b.stride(0), S_run.stride(0), HV=HV, K=K, V=V, BV=cg.BV, C=C, UPCAST=upcast,
             num_warps=num_warps, **opts)
-        sync()
+        sync(dev)
         return {"S_b": S_b, "S_run": S_run}
 
-    report["fold_vs_torch_first"] = _cmp(chain()["S_b"][0].cpu(), S_ref)
+    report["fold_vs_torch_first"] = bit_diff(chain()["S_b"][0].cpu(), S_ref)
     print("fold vs torch:", report["fold_vs_torch_first"], flush=True)
     report["chain"] = _repeat(chain, ["S_b", "S_run"])
     report["chain_num_warps_8"] = _repeat(lambda: chain(8), ["S_b", "S_run"])
-    report["chain_warps_8_vs_4"] = _cmp(chain(8)["S_b"], chain()["S_b"])
+    report["chain_warps_8_vs_4"] = bit_diff(chain(8)["S_b"], chain()["S_b"])
     try:  # float64 dots (mma.sync, no wgmma): the fold's value by another instruction path
-        report["chain_float64_vs_torch"] = _cmp(chain(upcast=True)["S_b"][0].cpu(), S_ref)
+        report["chain_float64_vs_torch"] = bit_diff(chain(upcast=True)["S_b"][0].cpu(), S_ref)
     except Exception as e:  # a variant that does not compile is a result
         report["chain_float64_vs_torch"] = {"error": f"{type(e).__name__}: {e}"[:400]}
-    report["fold_vs_torch"] = _cmp(chain()["S_b"][0].cpu(), S_ref)
+    report["fold_vs_torch"] = bit_diff(chain()["S_b"][0].cpu(), S_ref)
 
     def prefill() -> dict[str, torch.Tensor]:
         st = cg.new_state(1, HV, K, V, C, dev, s0)
         o, fin = cg.prefill(q, k, v, g, beta, [0, C], K ** -0.5, *st)
-        sync()
+        sync(dev)
         return {"o": o, "final": fin, "S_b": st[1]}
 
     report["prefill"] = _repeat(prefill, ["o", "final", "S_b"])
@@ -186,12 +169,14 @@ def main() -> int:
         st = tuple(t.clone() for t in st63)
         o = cg.decode(q[C - 1:], k[C - 1:], v[C - 1:], g[C - 1:], beta[C - 1:], K ** -0.5, *st,
                       torch.tensor([C - 1], device=dev))
-        sync()
+        sync(dev)
         return {"o": o, "S_run": st[0], "S_b": st[1]}
 
     report["decode_fold"] = _repeat(decode_fold, ["o", "S_run", "S_b"])
-    report["decode_vs_prefill_S_b"] = _cmp(decode_fold()["S_b"], prefill()["S_b"])
+    report["decode_vs_prefill_S_b"] = bit_diff(decode_fold()["S_b"], prefill()["S_b"])
     # last: the variant that may end the context (every result above is already written)
+    import triton
+
     # the same kernel with pointer alignment unspecialised (as the fold kernels were compiled before): its value
     unaligned = triton.jit(kt._chain_kernel.fn, do_not_specialize=kt._CHAIN_INTS,
                            do_not_specialize_on_alignment=["w_ptr", "u_ptr", "kg_ptr", "gl_ptr", "sb_ptr", "srun_ptr",
@@ -202,8 +187,8 @@ def main() -> int:
             plan["r1"], plan["first"], plan["seq_slot"], sc["w"], sc["u"], sc["kg"], sc["gl"], S_b,
             _nan((1, HV, K, V), torch.float32, dev), S_b, S_b.stride(0), S_b.stride(0), HV=HV, K=K, V=V, BV=cg.BV,
             C=C, UPCAST=not cuda, num_warps=cg.NUM_WARPS["chain"], **opts)
-        sync()
-        report["fold_unaligned_vs_torch"] = _cmp(S_b[0].cpu(), S_ref)
+        sync(dev)
+        report["fold_unaligned_vs_torch"] = bit_diff(S_b[0].cpu(), S_ref)
     except Exception as e:  # an illegal address ends the context: this runs after the others' results print
         report["fold_unaligned_vs_torch"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     print("fold (alignment unspecialised) vs torch:", report["fold_unaligned_vs_torch"], flush=True)

@@ -145,10 +145,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     if not state_layout_ok(S_run, S_b, buf):
         raise ValueError("state tensors: S_run, S_b fp32 and the buffer bf16, each slot contiguous (the buffer at an"
                          " even bf16 offset and slot stride: its fp32 view)")
+    # the fold kernels are compiled for 16-byte-aligned pointers (a misaligned one would compile another variant,
+    # whose tiles may round otherwise): inputs are copied where needed (``_kernel_view``), the caches cannot be
+    odd = [name for name, x in (("S_run", S_run), ("S_b", S_b), ("buffer", buf)) if x.data_ptr() % 16]
+    if odd:
+        raise ValueError(f"the chunk grid's state caches must be 16-byte aligned; not aligned: {', '.join(odd)}")
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _kernel_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels take it: unit last stride, 16-byte-aligned start (a slice at an odd token is copied)."""
+    return x if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
 
 
 def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
@@ -188,7 +194,7 @@ def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH:
         return torch.tensor(xs, dtype=torch.long, device=dev)
 
     scratch[idx([first[n] for n in started])] = S_run[idx([slots[n] for n in started])]
-    q, k, v, g, beta = (_unit_last(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
+    q, k, v, g, beta = (_kernel_view(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
     run_folds(k, v, g, beta, plan_t, S_b, buf, S_run, scratch, min(BV, v.shape[2]), NUM_WARPS)
     # every piece a segment of its own, from its scratch row (written back in place: its final state)
     cu_seg = torch.tensor([*plan["tok"], cu_seqlens[-1]], dtype=torch.int32, device=dev)
@@ -223,7 +229,7 @@ def decode(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: 
         raise ValueError(f"{B} tokens need positions and slots [B]; got {tuple(pos.shape)}, {tuple(slots.shape)}")
     if B == 0:
         return torch.empty(v_BHV.shape, dtype=v_BHV.dtype, device=dev)
-    q, k, v, g, beta = (_unit_last(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH))
+    q, k, v, g, beta = (_kernel_view(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH))
     ar = torch.arange(B + 1, dtype=torch.int32, device=dev)
     o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, ar, scale, S_run, state_slots=slots)
     C = buf.shape[2]

@@ -133,10 +133,8 @@ def _wu_block(T0, T1, T2, T3, X0, X1, X2, X3, n: tl.constexpr, UPCAST: tl.conste
 
 
 # Triton compiles a variant per integer equal to 1 / divisible by 16: the strides are left unspecialised (one
-# compiled kernel whatever the step's layout). Pointers keep Triton's alignment specialisation: with it switched
-# off (``do_not_specialize_on_alignment``) Triton 3.6 compiled the fold kernels into garbage states and illegal
-# addresses on an H100 (docs/gpu_runs.md §23); an engine's q/k/v views at any token offset stay 16-byte aligned
-# (rows of H x K bf16), as do the caches and scratch.
+# compiled kernel whatever the step's layout). Pointers keep Triton's alignment specialisation (16-byte accesses):
+# ``kernels.gdn_chunk_grid`` refuses a tensor that is not 16-byte aligned, so every call compiles the same variant.
 _INTRA_INTS = ["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t", "sbuf_n"]
 _CHAIN_INTS = ["sb_n", "srun_n"]
 
@@ -274,27 +272,32 @@ def _chain_kernel(
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
     slot = tl.load(slot_ptr + n).to(tl.int64)
-    p_S = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
+    # The state's BV columns held transposed, ``St [BV, K]``, so that both products of a fold have BV (< 64) rows:
+    # Triton lowers them to mma.sync. With ``S [K, BV]`` the second product has K = 128 rows and becomes a wgmma
+    # (Hopper's 64-row warp-group instruction), the path on which Triton 3.6 produced garbage states and illegal
+    # addresses for this kernel on an H100 -- the failure mode reported upstream for several-dot chunk kernels at
+    # these tile sizes on sm_90.
+    p_St = hv * K * V + offs_v[:, None] + offs_k[None, :] * V
     c_beg = tl.load(first_ptr + n).to(tl.int64)
     c_end = tl.load(first_ptr + n + 1).to(tl.int64)
     last_folds = (c_end > c_beg) & (tl.load(r1_ptr + c_end - 1, mask=c_end > c_beg, other=0) == C)
     # a sequence whose pieces fold nothing (a decode step inside its chunk, a short continuation) reads nothing more
     if (c_end - c_beg > 1) | last_folds:
-        S = tl.load(sb_ptr + slot * sb_n + p_S)
+        St = tl.load(sb_ptr + slot * sb_n + p_St)
         for c in range(c_beg, c_end):
             if tl.load(r1_ptr + c) == C:  # every piece but a sequence's last completes its chunk
                 base = c * HV + hv
-                W = tl.load(w_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])
-                U = tl.load(u_ptr + base * C * V + offs_c[:, None] * V + offs_v[None, :]).to(tl.float32)
-                kgT = tl.load(kg_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])
+                Wt = tl.load(w_ptr + base * C * K + offs_c[None, :] * K + offs_k[:, None])  # [K, C]
+                Ut = tl.load(u_ptr + base * C * V + offs_c[None, :] * V + offs_v[:, None]).to(tl.float32)
+                kg = tl.load(kg_ptr + base * C * K + offs_c[:, None] * K + offs_k[None, :])  # [C, K]
                 G_last = tl.load(gl_ptr + base)
-                delta = (U - _dot(W, S.to(tl.bfloat16), UPCAST)).to(tl.bfloat16)
-                S = tl.exp(G_last) * S + _dot(kgT, delta, UPCAST)
+                delta_t = (Ut - _dot(St.to(tl.bfloat16), Wt, UPCAST)).to(tl.bfloat16)  # [BV, C]
+                St = tl.exp(G_last) * St + _dot(delta_t, kg, UPCAST)
             if c + 1 < c_end:  # the next piece's rows start from this boundary state
-                tl.store(scr_ptr + (c + 1) * HV * K * V + p_S, S)
-        tl.store(sb_ptr + slot * sb_n + p_S, S)
+                tl.store(scr_ptr + (c + 1) * HV * K * V + p_St, St)
+        tl.store(sb_ptr + slot * sb_n + p_St, St)
         if last_folds:  # a chunk just completed: the running state restarts at its boundary
-            tl.store(srun_ptr + slot * srun_n + p_S, S)
+            tl.store(srun_ptr + slot * srun_n + p_St, St)
 
 
 def run_folds(

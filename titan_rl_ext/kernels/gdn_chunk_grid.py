@@ -117,10 +117,12 @@ def _slotted(x: torch.Tensor) -> bool:
 
 def state_layout_ok(S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor) -> bool:
     """Whether the kernels can address these state caches in place: fp32 states and a bf16 buffer, each slot
-    contiguous, the buffer at an even bf16 offset and slot stride (its fp32 view)."""
+    contiguous, the buffer's slot stride even (its fp32 view), each starting 16-byte aligned (the fold kernels are
+    compiled for aligned pointers: a misaligned one would compile another variant, whose tiles may round
+    otherwise; inputs are copied where needed, ``_kernel_view``)."""
     return (S_run.dtype == S_b.dtype == torch.float32 and buf.dtype == torch.bfloat16
-            and _slotted(S_run) and _slotted(S_b) and _slotted(buf)
-            and buf.stride(0) % 2 == 0 and buf.storage_offset() % 2 == 0)
+            and _slotted(S_run) and _slotted(S_b) and _slotted(buf) and buf.stride(0) % 2 == 0
+            and all(x.data_ptr() % 16 == 0 for x in (S_run, S_b, buf)))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -143,13 +145,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         raise ValueError(f"state must be S_run, S_b [N, {HV}, {K}, {V}] and buffer [N, {HV}, C, {R}]; got "
                          f"{tuple(S_run.shape)}, {tuple(S_b.shape)}, {tuple(buf.shape)}")
     if not state_layout_ok(S_run, S_b, buf):
-        raise ValueError("state tensors: S_run, S_b fp32 and the buffer bf16, each slot contiguous (the buffer at an"
-                         " even bf16 offset and slot stride: its fp32 view)")
-    # the fold kernels are compiled for 16-byte-aligned pointers (a misaligned one would compile another variant,
-    # whose tiles may round otherwise): inputs are copied where needed (``_kernel_view``), the caches cannot be
-    odd = [name for name, x in (("S_run", S_run), ("S_b", S_b), ("buffer", buf)) if x.data_ptr() % 16]
-    if odd:
-        raise ValueError(f"the chunk grid's state caches must be 16-byte aligned; not aligned: {', '.join(odd)}")
+        raise ValueError("state tensors: S_run, S_b fp32 and the buffer bf16, each 16-byte aligned with each slot "
+                         "contiguous (the buffer's slot stride even: its fp32 view)")
 
 
 def _kernel_view(x: torch.Tensor) -> torch.Tensor:

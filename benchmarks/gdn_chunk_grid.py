@@ -25,6 +25,8 @@ eager step. Then timings, each variant timed in two interleaved rounds:
   step, the row saved, fold launches whose programs exit at once) and row 63 (``grid_fold``: every sequence folds
   its chunk), both also replayed from CUDA graphs (``grid_graph_nofold``, ``grid_graph_fold``), against the
   recurrent kernel's step on a slotted state cache (as the engine runs it).
+- ``chunk_grid_chain_w8`` / ``grid_fold_chain_w8`` (or ``_w4``): the same calls with the chain kernel at the other
+  warp count (4 spills 40 B on sm_90, 8 none), to choose ``gdn_chunk_grid.NUM_WARPS``.
 
 Floors predicted at the 9B's heads (H100 SXM: ~990 dense bf16 TFLOP/s, ~67 fp32 CUDA-core TFLOP/s, ~3.3 TB/s):
 - 32K prefill (512 chunks): folds 7 MFLOP per chunk and value head (k k^T, T (k..), T (v..): 3 x 64x64x128 MACs;
@@ -104,6 +106,19 @@ def _time(timer: Timer, variants: dict[str, Callable[[], Any]], args: Any) -> di
     return row
 
 
+def _chain_warps(fn: Callable[[], Any], num_warps: int) -> Callable[[], Any]:
+    """``fn`` with the chain kernel at ``num_warps`` (the shipped count is ``cg.NUM_WARPS``): an A/B of the chain's
+    warps inside one timing round, not a setting (every process must compile the same kernels)."""
+    def call() -> Any:
+        shipped = cg.NUM_WARPS["chain"]
+        cg.NUM_WARPS["chain"] = num_warps
+        try:
+            return fn()
+        finally:
+            cg.NUM_WARPS["chain"] = shipped
+    return call
+
+
 def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], chunk: int, timer: Timer,
                  args: Any, fla: Callable[..., Any] | None) -> dict[str, Any]:
     x = _inputs(T, dev, heads, seed=T)
@@ -135,6 +150,8 @@ def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], ch
         # the state advances in place at every call: the same work each time
         "chunk_grid": lambda: cg.prefill(*qkvgb, [0, T], scale, *state),
     }
+    other = 12 - cg.NUM_WARPS["chain"]  # 4 <-> 8
+    variants[f"chunk_grid_chain_w{other}"] = _chain_warps(variants["chunk_grid"], other)
     if fla is not None:
         def fla_chunk() -> Any:
             return fla(*(t[None] for t in qkvgb), scale=scale, initial_state=s0, output_final_state=True,
@@ -191,6 +208,9 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
         p_i = torch.full((B,), i, dtype=torch.int64, device=dev)
         # rows before i hold the prefill's rows; a row-63 step folds every call (the same work every time)
         variants[f"grid_{name}"] = lambda p_i=p_i: cg.decode(*qkvgb, scale, *st, p_i)
+        if name == "fold":
+            other = 12 - cg.NUM_WARPS["chain"]
+            variants[f"grid_fold_chain_w{other}"] = _chain_warps(variants["grid_fold"], other)
         if dev.type == "cuda":
             graph, err, bits = _decode_graph(qkvgb, scale, st, p_i)
             row[f"graph_{name}_equals_eager_bits"] = bits
@@ -425,13 +445,15 @@ def main() -> int:
     for row in rows:
         print("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     pre = [r for r in rows if "T" in r]
+    other = 12 - cg.NUM_WARPS["chain"]  # the chain's other warp count, timed beside the shipped one
     dec = [r for r in rows if "B" in r]
     print("\nPREFILL\n" + fmt_table(pre, [
         ("case", "case", ""), ("recurrent_ms", "recurrent ms", ".3f"), ("chunk_grid_ms", "chunk grid ms", ".3f"),
-        ("fla_chunk_ms", "FLA chunk ms", ".3f"), ("recurrent_over_grid", "rec/grid", ".2f"),
+        (f"chunk_grid_chain_w{other}_ms", f"chain w{other} ms", ".3f"), ("fla_chunk_ms", "FLA chunk ms", ".3f"), ("recurrent_over_grid", "rec/grid", ".2f"),
         ("max_abs_o_vs_recurrent", "max|o diff|", ".1e"), ("decode_continues_prefill_bits", "bits", "")]))
     print("\nDECODE\n" + fmt_table(dec, [("case", "case", ""), ("recurrent_ms", "recurrent ms", ".4f")]
                                    + [(f"grid_{n}_ms", f"grid {n} ms", ".4f") for n in DECODE_ROWS]
+                                   + [(f"grid_fold_chain_w{other}_ms", f"fold chain w{other} ms", ".4f")]
                                    + [(f"grid_graph_{n}_ms", f"graph {n} ms", ".4f") for n in DECODE_ROWS]
                                    + [("batch_equals_alone_bits", "bits", "")]))
     ok = (all(results["bits"].values()) and all(r["decode_continues_prefill_bits"] for r in pre)

@@ -134,7 +134,8 @@ def _wu_block(T0, T1, T2, T3, X0, X1, X2, X3, n: tl.constexpr, UPCAST: tl.conste
 
 # Triton compiles a variant per integer equal to 1 / divisible by 16: the strides are left unspecialised (one
 # compiled kernel whatever the step's layout). Pointers keep Triton's alignment specialisation (16-byte accesses):
-# ``kernels.gdn_chunk_grid`` refuses a tensor that is not 16-byte aligned, so every call compiles the same variant.
+# ``kernels.gdn_chunk_grid`` hands the kernels 16-byte-aligned tensors only (an input slice that is not is copied,
+# the caches are checked by ``state_layout_ok``), so every call compiles the same variant.
 _INTRA_INTS = ["sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sb_t", "sbuf_n"]
 _CHAIN_INTS = ["sb_n", "srun_n"]
 
@@ -274,9 +275,9 @@ def _chain_kernel(
     slot = tl.load(slot_ptr + n).to(tl.int64)
     # The state's BV columns held transposed, ``St [BV, K]``, so that both products of a fold have BV (< 64) rows:
     # Triton lowers them to mma.sync. With ``S [K, BV]`` the second product has K = 128 rows and becomes a wgmma
-    # (Hopper's 64-row warp-group instruction), the path on which Triton 3.6 produced garbage states and illegal
-    # addresses for this kernel on an H100 -- the failure mode reported upstream for several-dot chunk kernels at
-    # these tile sizes on sm_90.
+    # (Hopper's 64-row warp-group instruction): the suspect, not yet confirmed on a GPU, for the garbage states and
+    # illegal addresses this kernel gave on an H100 under Triton 3.6, whose PTX of it emulates correctly
+    # (docs/gpu_runs.md §22-24); upstream reports the same failure for several-dot chunk kernels of these tiles.
     p_St = hv * K * V + offs_v[:, None] + offs_k[None, :] * V
     c_beg = tl.load(first_ptr + n).to(tl.int64)
     c_end = tl.load(first_ptr + n + 1).to(tl.int64)

@@ -377,7 +377,9 @@ def _compile_report(arch: int) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"kernel": name, "num_warps": cg.NUM_WARPS[name], "compile_s": time.perf_counter() - t0,
                                # reads through the non-coherent path would not see this program's own writes
                                "ptx_ld_nc": len(re.findall(r"\bld\.global\.nc", ptx)),
-                               "ptx_mma": len(re.findall(r"\b(?:wgmma|mma)\.", ptx))}
+                               # warp-group (Hopper's wgmma) vs warp-level tensor-core products
+                               "ptx_wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
+                               "ptx_mma_sync": len(re.findall(r"\bmma\.sync", ptx))}
         path = f"/tmp/gdn_chunk_grid_{name}_{os.getpid()}.ptx"
         with open(path, "w") as f:
             f.write(ptx)

@@ -128,6 +128,14 @@ def main() -> int:
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), buf.stride(0))
     report = _Report(args.out)  # each result written as it lands: an illegal address ends the process
     report.update({"env": environment(dev), "heads": [H, HV, K, V], "chunk": C, "repeats": REPEATS})
+    if cuda:  # what this Triton makes of the fold kernels here: wgmma vs mma.sync, registers, spills
+        from gdn_chunk_grid import _compile_report
+
+        major, minor = torch.cuda.get_device_capability(dev)
+        try:
+            report["compiled"] = _compile_report(10 * major + minor)
+        except Exception as e:  # a breakdown, not a result
+            report["compiled"] = {"error": f"{type(e).__name__}: {e}"[:300]}
 
     def intra(num_warps: int) -> dict[str, torch.Tensor]:
         s = {"w": _nan((1, HV, C, K), torch.bfloat16, dev), "u": _nan((1, HV, C, V), torch.bfloat16, dev),

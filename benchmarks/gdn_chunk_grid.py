@@ -69,6 +69,7 @@ from titan_rl_ext.kernels import gdn_chunk_grid as cg  # noqa: E402
 from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
+CHAIN_WARPS_AB = 12 - cg.NUM_WARPS["chain"]  # the chain kernel's other warp count (4 <-> 8), timed beside it
 DECODE_ROWS = {"nofold": 0.5, "fold": 1.0}  # open-chunk rows timed: C/2 - 1 and C - 1 (63: every sequence folds)
 
 
@@ -150,8 +151,7 @@ def _prefill_row(T: int, dev: torch.device, heads: tuple[int, int, int, int], ch
         # the state advances in place at every call: the same work each time
         "chunk_grid": lambda: cg.prefill(*qkvgb, [0, T], scale, *state),
     }
-    other = 12 - cg.NUM_WARPS["chain"]  # 4 <-> 8
-    variants[f"chunk_grid_chain_w{other}"] = _chain_warps(variants["chunk_grid"], other)
+    variants[f"chunk_grid_chain_w{CHAIN_WARPS_AB}"] = _chain_warps(variants["chunk_grid"], CHAIN_WARPS_AB)
     if fla is not None:
         def fla_chunk() -> Any:
             return fla(*(t[None] for t in qkvgb), scale=scale, initial_state=s0, output_final_state=True,
@@ -209,8 +209,7 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
         # rows before i hold the prefill's rows; a row-63 step folds every call (the same work every time)
         variants[f"grid_{name}"] = lambda p_i=p_i: cg.decode(*qkvgb, scale, *st, p_i)
         if name == "fold":
-            other = 12 - cg.NUM_WARPS["chain"]
-            variants[f"grid_fold_chain_w{other}"] = _chain_warps(variants["grid_fold"], other)
+            variants[f"grid_fold_chain_w{CHAIN_WARPS_AB}"] = _chain_warps(variants["grid_fold"], CHAIN_WARPS_AB)
         if dev.type == "cuda":
             graph, err, bits = _decode_graph(qkvgb, scale, st, p_i)
             row[f"graph_{name}_equals_eager_bits"] = bits
@@ -447,15 +446,16 @@ def main() -> int:
     for row in rows:
         print("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     pre = [r for r in rows if "T" in r]
-    other = 12 - cg.NUM_WARPS["chain"]  # the chain's other warp count, timed beside the shipped one
     dec = [r for r in rows if "B" in r]
     print("\nPREFILL\n" + fmt_table(pre, [
         ("case", "case", ""), ("recurrent_ms", "recurrent ms", ".3f"), ("chunk_grid_ms", "chunk grid ms", ".3f"),
-        (f"chunk_grid_chain_w{other}_ms", f"chain w{other} ms", ".3f"), ("fla_chunk_ms", "FLA chunk ms", ".3f"), ("recurrent_over_grid", "rec/grid", ".2f"),
+        (f"chunk_grid_chain_w{CHAIN_WARPS_AB}_ms", f"chain w{CHAIN_WARPS_AB} ms", ".3f"),
+        ("fla_chunk_ms", "FLA chunk ms", ".3f"), ("recurrent_over_grid", "rec/grid", ".2f"),
         ("max_abs_o_vs_recurrent", "max|o diff|", ".1e"), ("decode_continues_prefill_bits", "bits", "")]))
     print("\nDECODE\n" + fmt_table(dec, [("case", "case", ""), ("recurrent_ms", "recurrent ms", ".4f")]
                                    + [(f"grid_{n}_ms", f"grid {n} ms", ".4f") for n in DECODE_ROWS]
-                                   + [(f"grid_fold_chain_w{other}_ms", f"fold chain w{other} ms", ".4f")]
+                                   + [(f"grid_fold_chain_w{CHAIN_WARPS_AB}_ms", f"fold chain w{CHAIN_WARPS_AB} ms",
+                                       ".4f")]
                                    + [(f"grid_graph_{n}_ms", f"graph {n} ms", ".4f") for n in DECODE_ROWS]
                                    + [("batch_equals_alone_bits", "bits", "")]))
     ok = (all(results["bits"].values()) and all(r["decode_continues_prefill_bits"] for r in pre)

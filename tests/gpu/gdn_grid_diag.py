@@ -211,8 +211,6 @@ def main() -> int:
     report["decode_fold"] = _repeat(decode_fold, ["o", "S_run", "S_b"])
     report["decode_vs_prefill_S_b"] = bit_diff(decode_fold()["S_b"], prefill()["S_b"])
     # last: the variant that may end the context (every result above is already written)
-    import triton
-
     # the chain as it was before the state was held transposed: S [K, BV], whose second product has K = 128 rows
     # and lowers to a wgmma on sm_90 (the form that gave garbage and illegal addresses): its value, last
     try:

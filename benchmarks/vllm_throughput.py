@@ -401,11 +401,16 @@ def main() -> int:
     if args.merge:
         with open(args.merge) as f:
             results.update({k: v for k, v in json.load(f).items() if k in CONFIGS})
+    from bench_common import git_state
+
+    # the tree that ran, beside the engines' own records (``--merge`` reads the configs back, not this)
+    state = git_state()
+    run_env = {"git": os.environ.get("TITAN_GIT") or state["git"], "git_tree": state["git_tree"]}
     for group in ([[c] for c in cfgs] if args.sequential else [cfgs]):
         _run(group, args, results, log_dir)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+                json.dump({"env": run_env, **results}, f, indent=1)
     for cfg in cfgs:
         if "error" not in results.get(cfg, {"error": 1}):
             print(f"[{cfg}] seconds per rep: " + "; ".join(f"{k}: " + " ".join(f"{t:.4f}" for t in ts)

@@ -3,7 +3,7 @@
 state caches strided as vLLM's mamba pages lay them out (the running state, the open-chunk buffer and the boundary
 state interleaved in one page per slot, which the kernels address in place), sequences in arbitrary slots, a
 recycled slot holding garbage (``has_initial_state`` False: its state rows zeroed), a continued prefill mid-chunk
-and decode-only steps across a fold -- against ``gdn_chunk_grid.prefill`` / ``decode`` on contiguous state:
+and decode-only steps across a fold, two layers sharing the step's chunk plan (made once a prefill step) -- against ``gdn_chunk_grid.prefill`` / ``decode`` on contiguous state:
 outputs, both states and open-chunk rows equal bit for bit.
 
 Runs in a subprocess with ``TRITON_INTERPRET=1``. Skipped where triton is missing.
@@ -43,17 +43,27 @@ def _check_strided_slots_and_decodes() -> None:
     H, HV, K, V, C = 1, 2, 16, 16, cg.CHUNK
     L = cg.row_layout(K, V)
     n_slots, s_bytes, b_bytes = 5, HV * K * V * 4, HV * C * L["R"] * 2
-    # one page of bytes a slot (S_run fp32, the buffer bf16, S_b fp32), padded as vLLM pads mamba pages
-    pages = torch.zeros(n_slots, 2 * s_bytes + b_bytes + 148, dtype=torch.uint8)
-    S_NHKV = pages[:, :s_bytes].view(torch.float32).view(n_slots, HV, K, V)
-    buf_NHCR = pages[:, s_bytes:s_bytes + b_bytes].view(torch.bfloat16).view(n_slots, HV, C, L["R"])
-    Sb_NHKV = pages[:, s_bytes + b_bytes:2 * s_bytes + b_bytes].view(torch.float32).view(n_slots, HV, K, V)
+    def layer_caches() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's caches: a page of bytes a slot (S_run fp32, the buffer bf16, S_b fp32), padded as vLLM
+        pads mamba pages."""
+        pages = torch.zeros(n_slots, 2 * s_bytes + b_bytes + 148, dtype=torch.uint8)
+        S = pages[:, :s_bytes].view(torch.float32).view(n_slots, HV, K, V)
+        buf = pages[:, s_bytes:s_bytes + b_bytes].view(torch.bfloat16).view(n_slots, HV, C, L["R"])
+        S_b = pages[:, s_bytes + b_bytes:2 * s_bytes + b_bytes].view(torch.float32).view(n_slots, HV, K, V)
+        return S, buf, S_b
+
+    # two GDN layers of one engine: the second reuses the step's chunk plan the first made (``step_cache``)
+    layers = [layer_caches() for _ in range(2)]
+    S_NHKV, buf_NHCR, Sb_NHKV = layers[0]
     assert not any(t.is_contiguous() for t in (S_NHKV, buf_NHCR, Sb_NHKV))
     assert cg.state_layout_ok(S_NHKV, Sb_NHKV, buf_NHCR)  # addressed in place, slot by slot
     ref = cg.new_state(n_slots, HV, K, V)
-    kernel = gdn_slots.CachedStateRuleKernel(GatedDeltaRuleKernel())
+    kernels = [gdn_slots.CachedStateRuleKernel(GatedDeltaRuleKernel()) for _ in layers]
     scale = K**-0.5
     done = {3: 0, 1: 0}  # slot -> tokens seen
+    plans_made = []
+    make_plan = cg.make_prefill_plan
+    cg.make_prefill_plan = lambda *a, **kw: plans_made.append(1) or make_plan(*a, **kw)
 
     def step(plan: dict[int, int], decode_only: bool = False) -> None:
         slots, lengths = list(plan), list(plan.values())
@@ -63,30 +73,37 @@ def _check_strided_slots_and_decodes() -> None:
         slots_t = torch.tensor(slots)
         pos = [done[s] for s in slots]
         keep = None if decode_only else torch.tensor([p > 0 for p in pos])
-        kernel.bind(slots_t, keep, grid=(buf_NHCR, Sb_NHKV))
-        with batch_invariant():
-            o, _ = kernel(*x, SeqBatch.from_lengths(lengths, start_positions=pos), scale, S_NHKV)
-        kernel.unbind()
+        batch, step_cache, outs = SeqBatch.from_lengths(lengths, start_positions=pos), {}, []
+        n_plans = len(plans_made)
+        for kernel, (S, buf, S_b) in zip(kernels, layers):
+            kernel.bind(slots_t, keep, grid=(buf, S_b), step_cache=step_cache)
+            with batch_invariant():
+                outs.append(kernel(*x, batch, scale, S)[0])
+            kernel.unbind()
+        # decode steps need no host plan; a prefill step makes one, for both layers
+        assert len(plans_made) - n_plans == (0 if decode_only else 1), (plan, len(plans_made) - n_plans)
         if decode_only:
             o_ref = cg.decode(*x, scale, *ref, torch.tensor(pos, dtype=torch.int32), slots_t.to(torch.int32))
         else:
             cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
             o_ref, _ = cg.prefill(*x, cu, scale, *ref, pos, slots)
-        assert torch.equal(o, o_ref), plan
+        assert all(torch.equal(o, o_ref) for o in outs), plan
         for s, n in plan.items():
             done[s] += n
 
-    S_NHKV.fill_(3.0)  # recycled slots hold garbage: has_initial_state False must start them from zeros
-    Sb_NHKV.fill_(-2.0)
+    for S, _, S_b in layers:  # recycled slots hold garbage: has_initial_state False must start them from zeros
+        S.fill_(3.0)
+        S_b.fill_(-2.0)
     step({3: 40, 1: 2})
     step({3: 22, 1: 1})  # slot 3 at 62: its next decode steps fill row 63 (a fold) and row 0
     for _ in range(3):
         step({3: 1, 1: 1}, decode_only=True)
     step({3: 30, 1: 61})  # slot 1 continued across its first boundary mid-step
-    assert torch.equal(S_NHKV[[1, 3]], ref[0][[1, 3]]) and torch.equal(Sb_NHKV[[1, 3]], ref[1][[1, 3]])
-    for s in (1, 3):  # the open chunk's rows, as integers (an fp32 g's low half may read as a bf16 NaN)
-        rows = done[s] % C
-        assert torch.equal(buf_NHCR[s, :, :rows].view(torch.int16), ref[2][s, :, :rows].view(torch.int16))
+    for S, buf, S_b in layers:
+        assert torch.equal(S[[1, 3]], ref[0][[1, 3]]) and torch.equal(S_b[[1, 3]], ref[1][[1, 3]])
+        for s in (1, 3):  # the open chunk's rows, as integers (an fp32 g's low half may read as a bf16 NaN)
+            rows = done[s] % C
+            assert torch.equal(buf[s, :, :rows].view(torch.int16), ref[2][s, :, :rows].view(torch.int16))
 
 
 if __name__ == "__main__":

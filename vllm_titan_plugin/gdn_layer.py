@@ -102,7 +102,7 @@ class VllmGatedDeltaNet(nn.Module, compat.MambaBase):
         kernels = (self.layer.conv_kernel, self.layer.rule_kernel)
         self.layer.conv_kernel.bind(slots, keep)
         self.layer.rule_kernel.bind(slots, keep, n_decodes=bounds.n_decodes, chunk_indices=bounds.chunk_indices,
-                                    grid=(grid[0], grid[1]) if grid else None)
+                                    grid=(grid[0], grid[1]) if grid else None, step_cache=bounds.cache)
         try:
             y_TD, new = self.layer(x_TD[:T], seq, GDNState(conv_cache, ssm_cache))
         finally:
@@ -125,6 +125,9 @@ class _StepBounds(NamedTuple):
     keep: torch.Tensor | None
     n_decodes: int = 0  # a mixed step's leading one-token decodes (0: decode-only, prefill-only or unknown)
     chunk_indices: torch.Tensor | None = None  # vLLM's FLA chunk layout of the step's prefills
+    # what the step's first GDN layer derives for the rest (the grid's host layout and chunk plan): a fresh dict
+    # per forward
+    cache: dict[str, Any] | None = None
 
 
 _BOUNDS_ATTR = "_titan_gdn_bounds"
@@ -164,6 +167,7 @@ def _step_bounds(md: Any, batch: SeqBatch, T: int, device: torch.device) -> _Ste
         keep=None if has_initial is None else has_initial[:n_seqs].to(torch.bool),
         n_decodes=n_decodes,
         chunk_indices=chunk_indices,
+        cache={},
     )
     try:
         setattr(md, _BOUNDS_ATTR, bounds)

@@ -83,22 +83,28 @@ class CachedStateRuleKernel(_SlotBound):
         self._n_decodes = 0
         self._chunk_indices: torch.Tensor | None = None
         self._grid: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._step_cache: dict[str, Any] = {}
 
     def bind(
         self, slots: torch.Tensor, keep: torch.Tensor | None, *, n_decodes: int = 0,
         chunk_indices: torch.Tensor | None = None, grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+        step_cache: dict[str, Any] | None = None,
     ) -> None:
         """As ``_SlotBound.bind``, plus what an engine knows of the step's layout on the host: ``n_decodes``, how
         many leading sequences are one-token decodes followed by prefills (0: no such split), and the FLA chunk
         indices of the prefill sequences (of all of them where ``n_decodes`` is 0). ``grid``: the open-chunk buffer
         ``[S, HV, C, R]`` and boundary state ``[S, HV, K, V]`` caches of ``TITAN_GDN_BI_FORM=grid`` (its third and
-        fourth state tensors), slots as ``state``'s."""
+        fourth state tensors), slots as ``state``'s. ``step_cache``: a dict that lives as long as the step and is
+        shared by its GDN layers (the grid keeps its host layout and chunk plan there: one host round trip a step,
+        not one a layer); none: this call's own."""
         super().bind(slots, keep)
         self._n_decodes, self._chunk_indices, self._grid = n_decodes, chunk_indices, grid
+        self._step_cache = {} if step_cache is None else step_cache
 
     def unbind(self) -> None:
         super().unbind()
         self._n_decodes, self._chunk_indices, self._grid = 0, None, None
+        self._step_cache = {}
 
     def _peels_decodes(self, q_THK: torch.Tensor, v_THV: torch.Tensor, state: torch.Tensor | None) -> bool:
         """Whether a mixed step (decodes first, then prefills) runs as two calls, as vLLM's own GDN layer does:
@@ -232,33 +238,68 @@ class CachedStateRuleKernel(_SlotBound):
         T, N = q_THK.shape[0], slots.shape[0]
         if T == 0 or N == 0:
             return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=v_THV.device), S
-        cu = batch.cu_seqlens
-        # an empty sequence (a padded request) has no first token: any position serves it
-        pos_N = batch.positions[cu[:-1].long().clamp(max=T - 1)]
-        if keep is not None:
-            # a recycled slot holds another request's (or uninitialised) state: the grid starts fresh ones from zero
-            # states (its buffer rows are written before they are read)
-            for cache in (S, S_b):
-                zero = torch.zeros((), device=S.device)
-                cache.index_copy_(0, slots, torch.where(keep[:, None, None, None], cache.index_select(0, slots), zero))
         if not grid_runs_kernels(q_THK):
-            o, _ = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, S, S_b, buf,
-                                    pos_N.tolist(), slots.tolist())
+            cu, pos, slot_list, fresh = self._host_layout(batch, slots, keep, T)
+            if fresh:  # a recycled slot holds another request's (or uninitialised) state: zero states
+                for cache in (S, S_b):
+                    cache[fresh] = 0.0
+            o, _ = grid_steps_torch(q_THK, k_THK, v_THV, g_TH, beta_TH, cu, scale, S, S_b, buf, pos, slot_list)
             return o.to(v_THV.dtype), S
         # the kernels address each slot of the caches in place (vLLM's mamba pages interleave the state tensors,
         # each slot contiguous); a layout they cannot address has the step's rows gathered and scattered
         in_place = grid.state_layout_ok(S, S_b, buf)
-        rows = (S, S_b, buf) if in_place else tuple(t.index_select(0, slots) for t in (S, S_b, buf))
         if T == N and keep is None:  # decode-only: one token a sequence, positions and slots stay on the device
+            rows = (S, S_b, buf) if in_place else tuple(t.index_select(0, slots) for t in (S, S_b, buf))
+            pos_N = batch.positions[batch.cu_seqlens[:-1].long().clamp(max=T - 1)]
             idx = slots.to(torch.int32) if in_place else torch.arange(N, dtype=torch.int32, device=slots.device)
             o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, *rows, pos_N.to(torch.int32), idx)
-        else:  # the prefill's chunk plan is made on the host
-            o, _ = grid.prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu.tolist(), scale, *rows, pos_N.tolist(),
-                                slots.tolist() if in_place else None)
+        else:  # a prefill: its chunk plan made on the host once for the step's layers
+            fresh_t, plan = self._grid_plan(batch, slots, keep, T, buf.shape[2], in_place)
+            if fresh_t is not None:  # recycled slots: the grid starts them from zero states
+                for cache in (S, S_b):
+                    cache.index_fill_(0, fresh_t, 0.0)
+            rows = (S, S_b, buf) if in_place else tuple(t.index_select(0, slots) for t in (S, S_b, buf))
+            cu = self._host_layout(batch, slots, keep, T)[0]
+            o, _ = grid.prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu, scale, *rows, plan=plan, want_final=False)
         if not in_place:
             for cache, r in zip((S, S_b, buf), rows):
                 cache.index_copy_(0, slots, r)
         return o, S
+
+    def _host_layout(
+        self, batch: SeqBatch, slots: torch.Tensor, keep: torch.Tensor | None, T: int,
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The step's ``(cu_seqlens, first positions, slots, slots to start from zero)`` on the host, read in one
+        copy and kept for the step's other layers. A sequence's position on the grid is its first token's position
+        in the step (an empty one, a padded request, has none: any serves it)."""
+        cached = self._step_cache.get("grid_host")
+        if cached is not None:
+            return cached
+        cu = batch.cu_seqlens.long()
+        N = slots.shape[0]
+        pos = batch.positions[cu[:-1].clamp(max=T - 1)].long()
+        kept = torch.ones(N, dtype=torch.long, device=cu.device) if keep is None else keep.long()
+        flat = torch.cat([cu, pos, slots.long(), kept]).tolist()
+        cu_l, pos_l, slot_l, keep_l = flat[:N + 1], flat[N + 1:2 * N + 1], flat[2 * N + 1:3 * N + 1], flat[3 * N + 1:]
+        layout = (cu_l, pos_l, slot_l, [s for s, k in zip(slot_l, keep_l) if not k])
+        self._step_cache["grid_host"] = layout
+        return layout
+
+    def _grid_plan(
+        self, batch: SeqBatch, slots: torch.Tensor, keep: torch.Tensor | None, T: int, chunk: int, in_place: bool,
+    ) -> tuple[torch.Tensor | None, Any]:
+        """The step's prefill plan (``gdn_chunk_grid.PrefillPlan``; state rows by slot, or by position in the
+        gathered rows where the caches are not addressed in place) and the slots to zero as a device index, made
+        by the step's first GDN layer and shared by the rest."""
+        from titan_rl_ext.kernels import gdn_chunk_grid as grid
+
+        key = f"grid_plan_{int(in_place)}"
+        if key not in self._step_cache:
+            cu, pos, slot_l, fresh = self._host_layout(batch, slots, keep, T)
+            rows = slot_l if in_place else list(range(len(slot_l)))
+            fresh_t = torch.tensor(fresh, dtype=torch.long, device=slots.device) if fresh else None
+            self._step_cache[key] = (fresh_t, grid.make_prefill_plan(cu, pos, rows, chunk, slots.device))
+        return self._step_cache[key]
 
     @staticmethod
     def _gather(state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

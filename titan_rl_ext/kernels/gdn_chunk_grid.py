@@ -61,6 +61,8 @@ Not here: a backward (the trainer's is the chunked form's), the fused q/k normal
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 CHUNK = 64
@@ -154,54 +156,89 @@ def _kernel_view(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
 
 
+class PrefillPlan(NamedTuple):
+    """A packed prefill's chunk plan (``chunk_plan``) with every index its launches read already on the device:
+    made once per call, or by an engine once per step for all its GDN layers (their layout is the same), so a
+    layer's prefill makes no host round trip."""
+    n_pieces: int
+    slots: list[int]  # state row of each sequence
+    kernel: dict[str, torch.Tensor]  # the fold kernels' plan, int32: per piece tok r0 r1 slot save; first, seq_slot
+    cu_seg: torch.Tensor  # [n_pieces + 1] int32: every piece a recurrent segment of its own
+    pieces: torch.Tensor  # arange(n_pieces): the segments' rows of the scratch
+    start_piece: torch.Tensor  # first piece of each sequence with tokens ...
+    start_slot: torch.Tensor  # ... and its state row (its S_run seeds that piece)
+    mid_piece: torch.Tensor  # last piece of each sequence ending mid-chunk ...
+    mid_slot: torch.Tensor  # ... and its state row (S_run := that piece's final state)
+
+
+def make_prefill_plan(cu_seqlens: list[int], pos: list[int], slots: list[int], chunk: int,
+                      device: torch.device | str) -> PrefillPlan:
+    """``PrefillPlan`` of packed sequences (``pos[n]`` tokens seen, state rows ``slots[n]``): the host plan and its
+    index tensors, moved to the device in two copies."""
+    N = len(cu_seqlens) - 1
+    plan = chunk_plan(cu_seqlens, pos, chunk)
+    plan["slot"] = [slots[n] for n in plan["seq"]]
+    plan["seq_slot"] = list(slots)
+    n_pieces, first = len(plan["tok"]), plan["first"]
+    started = [n for n in range(N) if first[n] < first[n + 1]]
+    mid = [n for n in started if plan["r1"][first[n + 1] - 1] < chunk]
+    keys32 = ("tok", "r0", "r1", "slot", "save", "first", "seq_slot")
+    lists32 = [plan[k] for k in keys32] + [[*plan["tok"], cu_seqlens[-1]]]
+    lists64 = [list(range(n_pieces)), [first[n] for n in started], [slots[n] for n in started],
+               [first[n + 1] - 1 for n in mid], [slots[n] for n in mid]]
+    pin = torch.device(device).type == "cuda"
+
+    def upload(lists: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        flat = torch.tensor([x for xs in lists for x in xs], dtype=dtype)
+        flat = flat.pin_memory() if pin else flat
+        return list(flat.to(device, non_blocking=pin).split([len(xs) for xs in lists]))
+
+    t32, t64 = upload(lists32, torch.int32), upload(lists64, torch.long)
+    return PrefillPlan(n_pieces, list(slots), dict(zip(keys32, t32[:-1])), t32[-1], *t64)
+
+
 def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
             beta_TH: torch.Tensor, cu_seqlens: list[int], scale: float, S_run: torch.Tensor, S_b: torch.Tensor,
-            buf: torch.Tensor, pos: list[int] | None = None,
-            slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            buf: torch.Tensor, pos: list[int] | None = None, slots: list[int] | None = None, *,
+            plan: PrefillPlan | None = None, want_final: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packed prompts continued from each sequence's state (rows ``slots[n]`` of the three state tensors, default
     n; ``pos[n]`` tokens seen, default 0): returns ``(o [T, HV, V] in v's dtype, final [N, HV, K, V])``, ``final``
-    each sequence's ``S_run`` after its last token; the state is advanced in place (the caller advances ``pos`` by
-    the lengths). A sequence at a chunk boundary (``pos % C == 0``) starts its rows from ``S_run``, which equals
-    ``S_b`` there: for a fresh sequence set both to its initial state."""
+    each sequence's ``S_run`` after its last token (``None`` unless ``want_final``: an engine reads its caches);
+    the state is advanced in place (the caller advances ``pos`` by the lengths). A sequence at a chunk boundary
+    (``pos % C == 0``) starts its rows from ``S_run``, which equals ``S_b`` there: for a fresh sequence set both to
+    its initial state. ``plan``: ``make_prefill_plan`` of these ``cu_seqlens``, ``pos`` and ``slots`` made
+    beforehand (an engine shares one among its layers)."""
     from titan_rl_ext.kernels.gdn_chunk_grid_triton import run_folds
     from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
 
     _check(q_THK, k_THK, v_THV, g_TH, beta_TH, S_run, S_b, buf)
     N = len(cu_seqlens) - 1
-    pos = [0] * N if pos is None else list(pos)
-    slots = list(range(N)) if slots is None else list(slots)
-    if len(pos) != N or len(slots) != N or len(set(slots)) != N or any(not 0 <= x < S_run.shape[0] for x in slots):
-        raise ValueError(f"{N} sequences need {N} positions and distinct state rows in [0, {S_run.shape[0]}); got "
-                         f"{pos}, {slots}")
     dev = v_THV.device
-    C = buf.shape[2]
-    plan = chunk_plan(cu_seqlens, pos, C)
-    n_pieces = len(plan["tok"])
-    if n_pieces == 0:
-        return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev), S_run[slots].clone()
-    plan["slot"] = [slots[n] for n in plan["seq"]]
-    plan["seq_slot"] = slots
-    plan_t = {key: torch.tensor(val, dtype=torch.int32, device=dev) for key, val in plan.items()}
-    first, started = plan["first"], [n for n in range(N) if plan["first"][n] < plan["first"][n + 1]]
+    if plan is None:
+        pos = [0] * N if pos is None else list(pos)
+        slots = list(range(N)) if slots is None else list(slots)
+        if (len(pos) != N or len(slots) != N or len(set(slots)) != N
+                or any(not 0 <= x < S_run.shape[0] for x in slots)):
+            raise ValueError(f"{N} sequences need {N} positions and distinct state rows in [0, {S_run.shape[0]}); "
+                             f"got {pos}, {slots}")
+        plan = make_prefill_plan(cu_seqlens, pos, slots, buf.shape[2], dev)
+    elif len(plan.slots) != N:
+        raise ValueError(f"a plan of {len(plan.slots)} sequences for {N}")
+    final = S_run[plan.slots].clone() if want_final and plan.n_pieces == 0 else None
+    if plan.n_pieces == 0:
+        return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev), final
     # each piece's starting state: a sequence's first from its S_run (before the folds may restart S_run), the
     # later ones written by the fold chain
-    scratch = torch.empty(n_pieces, *S_run.shape[1:], dtype=torch.float32, device=dev)
-
-    def idx(xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=dev)
-
-    scratch[idx([first[n] for n in started])] = S_run[idx([slots[n] for n in started])]
+    scratch = torch.empty(plan.n_pieces, *S_run.shape[1:], dtype=torch.float32, device=dev)
+    scratch[plan.start_piece] = S_run[plan.start_slot]
     q, k, v, g, beta = (_kernel_view(x) for x in (q_THK, k_THK, v_THV, g_TH, beta_TH))
-    run_folds(k, v, g, beta, plan_t, S_b, buf, S_run, scratch, min(BV, v.shape[2]), NUM_WARPS)
+    run_folds(k, v, g, beta, plan.kernel, S_b, buf, S_run, scratch, min(BV, v.shape[2]), NUM_WARPS)
     # every piece a segment of its own, from its scratch row (written back in place: its final state)
-    cu_seg = torch.tensor([*plan["tok"], cu_seqlens[-1]], dtype=torch.int32, device=dev)
-    o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, cu_seg, scale, scratch,
-                                      state_slots=torch.arange(n_pieces, device=dev))
+    o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, plan.cu_seg, scale, scratch, state_slots=plan.pieces)
     # a sequence ending mid-chunk keeps its running state (one ending on a boundary got S_b in the chain)
-    mid = [n for n in started if plan["r1"][first[n + 1] - 1] < C]
-    if mid:
-        S_run[idx([slots[n] for n in mid])] = scratch[idx([first[n + 1] - 1 for n in mid])]
-    return o, S_run[slots].clone()
+    if plan.mid_piece.numel():
+        S_run[plan.mid_slot] = scratch[plan.mid_piece]
+    return o, (S_run[plan.slots].clone() if want_final else None)
 
 
 def decode(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor, beta_BH: torch.Tensor,
@@ -245,7 +282,9 @@ def gated_delta_rule_chunk_grid(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV:
     """Whole prompts from ``initial_state`` (zeros by default): ``(o [T, HV, V], final [N, HV, K, V])``."""
     HV, V = v_THV.shape[1:]
     state = new_state(len(cu_seqlens) - 1, HV, k_THK.shape[2], V, chunk, v_THV.device, initial_state)
-    return prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, *state)
+    o, final = prefill(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, scale, *state)
+    assert final is not None
+    return o, final
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any, Callable
 
 import pytest
 
@@ -61,9 +62,16 @@ def _check_strided_slots_and_decodes() -> None:
     kernels = [gdn_slots.CachedStateRuleKernel(GatedDeltaRuleKernel()) for _ in layers]
     scale = K**-0.5
     done = {3: 0, 1: 0}  # slot -> tokens seen
-    plans_made = []
-    make_plan = cg.make_prefill_plan
-    cg.make_prefill_plan = lambda *a, **kw: plans_made.append(1) or make_plan(*a, **kw)
+    plans_made: dict[str, int] = {"prefill": 0, "decode": 0}
+
+    def counted(kind: str, make: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            plans_made[kind] += 1
+            return make(*a, **kw)
+        return wrapper
+
+    cg.make_prefill_plan = counted("prefill", cg.make_prefill_plan)
+    cg.make_decode_plan = counted("decode", cg.make_decode_plan)
 
     def step(plan: dict[int, int], decode_only: bool = False) -> None:
         slots, lengths = list(plan), list(plan.values())
@@ -74,14 +82,15 @@ def _check_strided_slots_and_decodes() -> None:
         pos = [done[s] for s in slots]
         keep = None if decode_only else torch.tensor([p > 0 for p in pos])
         batch, step_cache, outs = SeqBatch.from_lengths(lengths, start_positions=pos), {}, []
-        n_plans = len(plans_made)
+        n_plans = dict(plans_made)
         for kernel, (S, buf, S_b) in zip(kernels, layers):
             kernel.bind(slots_t, keep, grid=(buf, S_b), step_cache=step_cache)
             with batch_invariant():
                 outs.append(kernel(*x, batch, scale, S)[0])
             kernel.unbind()
-        # decode steps need no host plan; a prefill step makes one, for both layers
-        assert len(plans_made) - n_plans == (0 if decode_only else 1), (plan, len(plans_made) - n_plans)
+        # a step's plan (a prefill's on the host, a decode's on the device) is made once, for both layers
+        made = {kind: plans_made[kind] - n_plans[kind] for kind in plans_made}
+        assert made == {"prefill": int(not decode_only), "decode": int(decode_only)}, (plan, made)
         if decode_only:
             o_ref = cg.decode(*x, scale, *ref, torch.tensor(pos, dtype=torch.int32), slots_t.to(torch.int32))
         else:

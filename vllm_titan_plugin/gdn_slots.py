@@ -250,9 +250,12 @@ class CachedStateRuleKernel(_SlotBound):
         in_place = grid.state_layout_ok(S, S_b, buf)
         if T == N and keep is None:  # decode-only: one token a sequence, positions and slots stay on the device
             rows = (S, S_b, buf) if in_place else tuple(t.index_select(0, slots) for t in (S, S_b, buf))
-            pos_N = batch.positions[batch.cu_seqlens[:-1].long().clamp(max=T - 1)]
-            idx = slots.to(torch.int32) if in_place else torch.arange(N, dtype=torch.int32, device=slots.device)
-            o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, *rows, pos_N.to(torch.int32), idx)
+            key = f"grid_decode_{int(in_place)}"
+            if key not in self._step_cache:  # the step's first GDN layer: positions and rows into a plan for all
+                pos_N = batch.positions[batch.cu_seqlens[:-1].long().clamp(max=T - 1)]
+                idx = slots if in_place else torch.arange(N, device=slots.device)
+                self._step_cache[key] = grid.make_decode_plan(pos_N, idx, buf.shape[2])
+            o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, *rows, plan=self._step_cache[key])
         else:  # a prefill: its chunk plan made on the host once for the step's layers
             fresh_t, plan = self._grid_plan(batch, slots, keep, T, buf.shape[2], in_place)
             if fresh_t is not None:  # recycled slots: the grid starts them from zero states

@@ -241,36 +241,49 @@ def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH:
     return o, (S_run[plan.slots].clone() if want_final else None)
 
 
+def make_decode_plan(pos: torch.Tensor, slots: torch.Tensor, chunk: int) -> dict[str, torch.Tensor]:
+    """A decode step's plan on the device (no host sync; CUDA-graph capturable) for B sequences, one token each:
+    ``pos [B]`` tokens seen before it, state rows ``slots [B]``. The fold kernels' fields (as ``make_prefill_plan``'s
+    ``kernel``) plus ``cu`` (``arange(B + 1)``: the recurrent kernel's bounds); an engine makes it once a step for
+    all its layers."""
+    B = pos.shape[0]
+    ar = torch.arange(B + 1, dtype=torch.int32, device=pos.device)
+    r0 = (pos % chunk).to(torch.int32)
+    slots = slots.to(torch.int32)
+    return {"tok": ar[:B], "r0": r0, "r1": r0 + 1, "slot": slots, "save": (r0 + 1 < chunk).to(torch.int32),
+            "first": ar, "seq_slot": slots, "cu": ar}
+
+
 def decode(q_BHK: torch.Tensor, k_BHK: torch.Tensor, v_BHV: torch.Tensor, g_BH: torch.Tensor, beta_BH: torch.Tensor,
-           scale: float, S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor,
-           slots: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float, S_run: torch.Tensor, S_b: torch.Tensor, buf: torch.Tensor, pos: torch.Tensor | None = None,
+           slots: torch.Tensor | None = None, *, plan: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """One token for each of B sequences (state rows ``slots [B]``, default b; ``pos [B]``, the tokens seen before
-    this one; both on the device): returns ``o [B, HV, V]``; the state advanced in place (the caller advances
-    ``pos`` by one). The recurrent kernel's step on ``S_run``, then the row into the buffer and, for a sequence
-    whose row ``pos % C`` is its chunk's last, the fold (``S_b``, then ``S_run := S_b``); no host sync. Slots must
-    be distinct."""
+    this one; both on the device; or ``plan``, their ``make_decode_plan``): returns ``o [B, HV, V]``; the state
+    advanced in place (the caller advances ``pos`` by one). The recurrent kernel's step on ``S_run``, then the row
+    into the buffer and, for a sequence whose row ``pos % C`` is its chunk's last, the fold (``S_b``, then
+    ``S_run := S_b``); no host sync. Slots must be distinct."""
     from titan_rl_ext.kernels.gdn_chunk_grid_triton import run_folds
     from titan_rl_ext.kernels.gdn_triton import gated_delta_rule_recurrent
 
     _check(q_BHK, k_BHK, v_BHV, g_BH, beta_BH, S_run, S_b, buf)
     B = q_BHK.shape[0]
     dev = v_BHV.device
-    if slots is None:
-        if S_run.shape[0] != B:
-            raise ValueError(f"{B} tokens without slots need {B} state rows; got {S_run.shape[0]}")
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-    if pos.shape != (B,) or slots.shape != (B,):
-        raise ValueError(f"{B} tokens need positions and slots [B]; got {tuple(pos.shape)}, {tuple(slots.shape)}")
+    if plan is None:
+        if pos is None:
+            raise ValueError("decode needs the positions (pos [B]) or a plan")
+        if slots is None:
+            if S_run.shape[0] != B:
+                raise ValueError(f"{B} tokens without slots need {B} state rows; got {S_run.shape[0]}")
+            slots = torch.arange(B, dtype=torch.int32, device=dev)
+        if pos.shape != (B,) or slots.shape != (B,):
+            raise ValueError(f"{B} tokens need positions and slots [B]; got {tuple(pos.shape)}, {tuple(slots.shape)}")
+        plan = make_decode_plan(pos, slots, buf.shape[2])
+    elif plan["slot"].shape != (B,):
+        raise ValueError(f"a plan of {plan['slot'].shape[0]} sequences for {B} tokens")
     if B == 0:
         return torch.empty(v_BHV.shape, dtype=v_BHV.dtype, device=dev)
     q, k, v, g, beta = (_kernel_view(x) for x in (q_BHK, k_BHK, v_BHV, g_BH, beta_BH))
-    ar = torch.arange(B + 1, dtype=torch.int32, device=dev)
-    o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, ar, scale, S_run, state_slots=slots)
-    C = buf.shape[2]
-    r0 = (pos % C).to(torch.int32)
-    slots = slots.to(torch.int32)
-    plan = {"tok": ar[:B], "r0": r0, "r1": r0 + 1, "slot": slots, "save": (r0 + 1 < C).to(torch.int32),
-            "first": ar, "seq_slot": slots}
+    o, _ = gated_delta_rule_recurrent(q, k, v, g, beta, plan["cu"], scale, S_run, state_slots=plan["slot"])
     run_folds(k, v, g, beta, plan, S_b, buf, S_run, None, min(BV, v.shape[2]), NUM_WARPS)
     return o
 

@@ -113,6 +113,9 @@ def main() -> int:
     ap.add_argument("--prefill", default="32768,65536", help="one sequence of each length, in chunks")
     ap.add_argument("--chunk", type=int, default=8192, help="queries per prefill chunk")
     ap.add_argument("--alt-block-n", default="", help="other key-block widths to time as whole definitions, e.g. 32,128")
+    ap.add_argument("--program-factors", default="",
+                    help="split-parallel decode launched with about F programs per multiprocessor (the shipped F is "
+                         "attention_triton.split_programs'), e.g. 1,4,8: a launch choice, the bits the same")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -124,6 +127,7 @@ def main() -> int:
     decode = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in args.decode.split(";") if x)]
     prefill = [int(x) for x in args.prefill.split(",") if x]
     alt = [int(x) for x in args.alt_block_n.split(",") if x]
+    factors = [int(x) for x in args.program_factors.split(",") if x]
     if bad := [w for w in alt if SPLIT % w]:
         ap.error(f"--alt-block-n {bad}: a split of {SPLIT} keys must hold whole key blocks")
     print_header(f"bi_attention_long: {N_HEADS}/{KV_HEADS} heads x {HEAD_DIM}, block size {args.block_size}, split {SPLIT}", env)
@@ -131,6 +135,7 @@ def main() -> int:
     save = json_saver(args.out, results, t0)
     timer = Timer(dev)
     cuda = dev.type == "cuda"
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 8
     vllm_run = vllm_attention() if cuda else None
     results["vllm_kernel"] = None if vllm_run is None else vllm_run.params  # type: ignore[attr-defined]
     if cuda:
@@ -173,6 +178,10 @@ def main() -> int:
             for w in alt:
                 variants[f"n{w}_split"] = _with_block_n(w, lambda: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale,
                                                                                      block_table=bt_b))
+            for f in factors:
+                n_progs = -(-f * sms // (B * KV_HEADS))
+                variants[f"split_x{f}"] = lambda n=n_progs: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale,
+                                                                             block_table=bt_b, split_programs_override=n)
             if vllm_run is not None:
                 segm = _segm_buffers(dev)
                 variants["vllm"] = lambda: vllm_run(q, kc, vc, out, cu_q, 1, sl, ctx, bt_b, scale, segm)

@@ -66,6 +66,10 @@ LOG2E = 1.4426950408889634
 # The split-parallel path is taken only where the workspace of partials stays under this many bytes.
 _WORKSPACE_CAP = 512 << 20
 _MERGE_UNROLL = 8  # partials loaded per iteration of the fold (independent loads issued together)
+# Split-parallel decode programs per multiprocessor (a launch choice: every split's partial is the same whichever
+# program computes it). More programs than two a multiprocessor keep more key blocks in flight: at 32K contexts
+# B = 8, 8 brought a call from 0.71 to 0.55 ms on an H100 (docs/gpu_runs.md §25).
+PROGRAMS_PER_SM = 8
 
 
 @dataclass(frozen=True)
@@ -322,11 +326,11 @@ def _sm_count(index: int) -> int:
 
 
 def split_programs(n_seqs: int, n_kv: int, max_splits: int, device: torch.device) -> int:
-    """Programs per (sequence, KV head) for a split-parallel launch: enough for about two programs per
-    multiprocessor over the whole launch (a function of the launch's shape alone, never of its data, so a
-    CUDA graph captures it). 1 means the per-tile path."""
+    """Programs per (sequence, KV head) for a split-parallel launch: enough for about ``PROGRAMS_PER_SM``
+    programs per multiprocessor over the whole launch (a function of the launch's shape alone, never of its data,
+    so a CUDA graph captures it). 1 means the per-tile path."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 8
-    return max(1, min(max_splits, triton.cdiv(2 * sms, max(1, n_seqs * n_kv))))
+    return max(1, min(max_splits, triton.cdiv(PROGRAMS_PER_SM * sms, max(1, n_seqs * n_kv))))
 
 
 def bi_attention_fwd(

@@ -23,8 +23,9 @@ eager step. Then timings, each variant timed in two interleaved rounds:
   and state;
 - a decode step of B sequences: ``gdn_chunk_grid.decode`` at open-chunk row 31 (``grid_nofold``: the recurrent
   step, the row saved, fold launches whose programs exit at once) and row 63 (``grid_fold``: every sequence folds
-  its chunk), both also replayed from CUDA graphs (``grid_graph_nofold``, ``grid_graph_fold``), against the
-  recurrent kernel's step on a slotted state cache (as the engine runs it).
+  its chunk), both also replayed from CUDA graphs (``grid_graph_nofold``, ``grid_graph_fold``; and with the step's
+  plan made beforehand, ``grid_graph_*_planned``: what each GDN layer after an engine step's first pays), against
+  the recurrent kernel's step on a slotted state cache (as the engine runs it).
 - ``chunk_grid_chain_w8`` / ``grid_fold_chain_w8`` (or ``_w4``): the same calls with the chain kernel at the other
   warp count (4 spills 40 B on sm_90, 8 none), to choose ``gdn_chunk_grid.NUM_WARPS``.
 
@@ -210,21 +211,29 @@ def _decode_row(B: int, dev: torch.device, heads: tuple[int, int, int, int], chu
         variants[f"grid_{name}"] = lambda p_i=p_i: cg.decode(*qkvgb, scale, *st, p_i)
         if name == "fold":
             variants[f"grid_fold_chain_w{CHAIN_WARPS_AB}"] = _chain_warps(variants["grid_fold"], CHAIN_WARPS_AB)
+        # the plan made beforehand: what each GDN layer after an engine step's first pays
+        plan_i = cg.make_decode_plan(p_i, torch.arange(B, device=dev), chunk)
+        variants[f"grid_{name}_planned"] = lambda plan_i=plan_i: cg.decode(*qkvgb, scale, *st, plan=plan_i)
         if dev.type == "cuda":
-            graph, err, bits = _decode_graph(qkvgb, scale, st, p_i)
-            row[f"graph_{name}_equals_eager_bits"] = bits
-            if graph is not None:
-                variants[f"grid_graph_{name}"] = graph
-            else:
-                row[f"graph_{name}_error"] = err
+            for suffix, plan in (("", None), ("_planned", plan_i)):
+                graph, err, bits = _decode_graph(qkvgb, scale, st, p_i, plan)
+                row[f"graph_{name}{suffix}_equals_eager_bits"] = bits
+                if graph is not None:
+                    variants[f"grid_graph_{name}{suffix}"] = graph
+                else:
+                    row[f"graph_{name}{suffix}_error"] = err
     row.update(_time(timer, variants, args))
     return row
 
 
-def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, st: cg.GridState,
-                  pos: torch.Tensor) -> tuple[Any, str, bool]:
-    """A decode step captured in a CUDA graph (the plan made on the device: nothing to sync) and its replay's bits
-    against the eager step from the same state: ``(replay, "", equal)``, or ``(None, error, False)``."""
+def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, st: cg.GridState, pos: torch.Tensor,
+                  plan: dict[str, torch.Tensor] | None = None) -> tuple[Any, str, bool]:
+    """A decode step captured in a CUDA graph (the plan made on the device: nothing to sync; or ``plan``, made
+    beforehand and outside the graph) and its replay's bits against the eager step from the same state without a
+    plan: ``(replay, "", equal)``, or ``(None, error, False)``."""
+    def step(state: cg.GridState) -> torch.Tensor:
+        return cg.decode(*qkvgb, scale, *state, pos) if plan is None else cg.decode(*qkvgb, scale, *state, plan=plan)
+
     try:
         eager = _clone(st)
         o_e = cg.decode(*qkvgb, scale, *eager, pos)
@@ -232,11 +241,11 @@ def _decode_graph(qkvgb: tuple[torch.Tensor, ...], scale: float, st: cg.GridStat
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            cg.decode(*qkvgb, scale, *_clone(st), pos)  # warm-up: compile outside the capture
+            step(_clone(st))  # warm-up: compile outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o_g = cg.decode(*qkvgb, scale, *own, pos)
+            o_g = step(own)
         for t, src in zip(own, st):
             t.copy_(src)
         graph.replay()
@@ -457,9 +466,12 @@ def main() -> int:
                                    + [(f"grid_fold_chain_w{CHAIN_WARPS_AB}_ms", f"fold chain w{CHAIN_WARPS_AB} ms",
                                        ".4f")]
                                    + [(f"grid_graph_{n}_ms", f"graph {n} ms", ".4f") for n in DECODE_ROWS]
+                                   + [(f"grid_graph_{n}_planned_ms", f"graph {n} planned ms", ".4f")
+                                      for n in DECODE_ROWS]
                                    + [("batch_equals_alone_bits", "bits", "")]))
     ok = (all(results["bits"].values()) and all(r["decode_continues_prefill_bits"] for r in pre)
-          and all(r["batch_equals_alone_bits"] and all(r.get(f"graph_{n}_equals_eager_bits", True) for n in DECODE_ROWS)
+          and all(r["batch_equals_alone_bits"] and all(r.get(f"graph_{n}{sfx}_equals_eager_bits", True)
+                                                       for n in DECODE_ROWS for sfx in ("", "_planned"))
                   for r in dec))
     print("bits:", "ok" if ok else "MISMATCH")
     return 0 if ok else 1

@@ -48,8 +48,9 @@ device: CUDA-graph capturable): the recurrent kernel's step on ``S_run`` (the re
 into the buffer, and the fold launches, whose programs exit at once for a sequence whose chunk does not complete
 at this token; where it does, ``S_b`` folds and ``S_run := S_b``.
 
-Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence),
-``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
+Functions: ``prefill`` (packed prompts, continued from ``pos``), ``decode`` (one token per sequence), their plans
+``make_prefill_plan`` / ``make_decode_plan`` (an engine makes each once a step and shares it among its GDN layers,
+whose layout is the same), ``gated_delta_rule_chunk_grid`` (whole prompts from a state, functional), ``reference_float64`` (the definition in
 float64 without bf16 roundings), ``prefill_torch`` (the same definition in plain PyTorch: what runs off CUDA; its
 own bits, self-consistent across cuts and steps as the kernels are). Scratch of a call, per completing chunk and
 value head: ``W, U, k * exp(G_last - G)`` ``[C, K|V]`` bf16 (48 KiB at the 9B's heads; ``A`` and ``T`` stay in

@@ -103,7 +103,8 @@ def test_agent_recipe_exact_over_multi_turn_samples(recipe_runs: dict[str, Backg
             # refusal is verifiers' (renderers 0.1.12), so forks are counted, not refused: each branch is still a
             # sample of the generator's own tokens (none refused) compared exactly above.
             assert rec["verifiers/refused_branches_total"] == 0, rec
-            assert rec["verifiers/failed_episodes_total"] == 0, rec
+            failed = [ln for ln in r.log.read_text(errors="replace").splitlines() if "verifiers episode" in ln]
+            assert rec["verifiers/failed_episodes_total"] == 0, (rec, failed[:8])
         across += rec["bit_wise_stale/samples_across_swaps"]
     # verifiers may fork a trace (above): the extra branch can end before the environment's first turn; the fork
     # count is a running total over the run, not per logged step (groups are generated ahead of their step)

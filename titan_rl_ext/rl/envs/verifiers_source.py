@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import math
 import os
 import sys
@@ -30,6 +31,8 @@ from typing import Any
 from titan_rl_ext import settings
 from titan_rl_ext.rl.generator_client import Generator
 from titan_rl_ext.rl.samples import ENV_TOKEN_VERSION, Sample, SamplingConfig
+
+logger = logging.getLogger(__name__)
 
 PLUGINS_DIR = Path(__file__).resolve().parent / "verifiers_plugins"
 RUNNER = Path(__file__).resolve().parent / "verifiers_runner.py"
@@ -273,6 +276,10 @@ class VerifiersSource:
             if not ep["ok"]:
                 self.stats.failed_episodes += 1
                 self.stats.errors += ep["errors"][:2]
+                # why it failed: verifiers keeps it on the episode or on the trace that stopped it
+                why = ep["errors"][:2] + [e for tr in ep["traces"] for e in tr["errors"][:2]]
+                logger.warning("verifiers episode %d of task %d failed: %s", self.stats.failed_episodes, task,
+                               " | ".join(why)[:2000] or "no error recorded")
             for tr in ep["traces"]:
                 self.stats.traces += 1
                 self.stats.errors += tr["errors"][:2]

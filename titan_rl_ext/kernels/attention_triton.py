@@ -325,12 +325,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_programs(n_seqs: int, n_kv: int, max_splits: int, device: torch.device) -> int:
-    """Programs per (sequence, KV head) for a split-parallel launch: enough for about ``PROGRAMS_PER_SM``
-    programs per multiprocessor over the whole launch (a function of the launch's shape alone, never of its data,
-    so a CUDA graph captures it). 1 means the per-tile path."""
+def split_programs(n_seqs: int, n_kv: int, max_splits: int, device: torch.device,
+                   per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Programs per (sequence, KV head) for a split-parallel launch: enough for about ``per_sm`` programs per
+    multiprocessor over the whole launch (a function of the launch's shape alone, never of its data, so a CUDA
+    graph captures it). 1 means the per-tile path."""
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 8
-    return max(1, min(max_splits, triton.cdiv(PROGRAMS_PER_SM * sms, max(1, n_seqs * n_kv))))
+    return max(1, min(max_splits, triton.cdiv(per_sm * sms, max(1, n_seqs * n_kv))))
 
 
 def bi_attention_fwd(

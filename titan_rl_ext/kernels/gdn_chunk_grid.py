@@ -225,9 +225,9 @@ def prefill(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THV: torch.Tensor, g_TH:
         plan = make_prefill_plan(cu_seqlens, pos, slots, buf.shape[2], dev)
     elif len(plan.slots) != N:
         raise ValueError(f"a plan of {len(plan.slots)} sequences for {N}")
-    final = S_run[plan.slots].clone() if want_final and plan.n_pieces == 0 else None
     if plan.n_pieces == 0:
-        return torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev), final
+        return (torch.empty(v_THV.shape, dtype=v_THV.dtype, device=dev),
+                S_run[plan.slots].clone() if want_final else None)
     # each piece's starting state: a sequence's first from its S_run (before the folds may restart S_run), the
     # later ones written by the fold chain
     scratch = torch.empty(plan.n_pieces, *S_run.shape[1:], dtype=torch.float32, device=dev)
